@@ -1,0 +1,24 @@
+# Two commands do all set-up on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	# constraints pin the tested versions; torch==2.13.0+cpu comes from the machine's local wheel
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,examples]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/digits_oso.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) lightning_logs

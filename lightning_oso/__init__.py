@@ -1,0 +1,30 @@
+"""lightning_oso: differentially private training for PyTorch Lightning, with OSO-DPSGD at its heart."""
+
+from lightning_oso.accounting import (
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    max_steps_within_budget,
+    split_noise_multiplier,
+)
+from lightning_oso.callbacks import OSODP
+from lightning_oso.clipping import OSOClipping
+from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.strategy import DPStrategy
+from lightning_oso.validation import PrivacyConfigurationError
+
+__all__ = [
+    "OSODP",
+    "DPStrategy",
+    "OSOClipping",
+    "PoissonBatchSampler",
+    "PrivacyAccountant",
+    "PrivacyConfigurationError",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "max_steps_within_budget",
+    "poisson_loader",
+    "split_noise_multiplier",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,111 @@
+"""Poisson sampling of the training data (spec section 0, "Sampling").
+
+Every batch takes each record independently with probability ``q``; batch sizes vary and can be zero. The
+accountant's amplification-by-subsampling analysis holds only for this sampling: shuffled fixed-size batches void it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+
+
+class PoissonBatchSampler:
+    """Yields ``steps`` batches of indices, each a Poisson sample of ``range(num_samples)`` at rate ``sample_rate``.
+
+    The draws of epoch ``e`` come from a generator seeded with ``(seed, e)``, so a run resumed at an epoch boundary
+    samples exactly what the uninterrupted run would have. Lightning calls ``set_epoch`` on
+    ``dataloader.batch_sampler.sampler``: this object is its own ``sampler``.
+
+    Args:
+        num_samples: ``N``, the size of the dataset.
+        sample_rate: ``q``.
+        steps: batches per epoch.
+        seed: base seed of the sampling randomness.
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, steps: int, seed: int) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if steps <= 0:
+            raise ValueError(f"steps must be positive, got {steps}")
+        self.num_samples = num_samples
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.seed = seed
+        self.epoch = 0
+
+    @property
+    def sampler(self) -> "PoissonBatchSampler":
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+        for _ in range(self.steps):
+            mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
+            yield mask.nonzero().flatten().tolist()
+
+
+def poisson_loader(loader: DataLoader, seed: int) -> DataLoader:
+    """A copy of ``loader`` whose batches are Poisson samples at rate ``batch_size / len(dataset)``.
+
+    The expected batch size is the loader's ``batch_size``; an epoch keeps the loader's number of batches. Workers,
+    pinning, the collate function and the rest are kept; empty batches keep the structure of a real one (Opacus'
+    ``wrap_collate_with_empty``), so models see tensors with a zero batch dimension.
+    """
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "the training dataset is an IterableDataset, which cannot be Poisson-sampled (each record must be "
+            "reachable by index); use a map-style Dataset"
+        )
+    batch_size = expected_batch_size_of(loader)
+    num_samples = len(dataset)
+    if num_samples == 0:
+        raise ValueError("the training dataset is empty")
+    sample_rate = min(1.0, batch_size / num_samples)
+    steps = max(1, len(loader))
+    first = dataset[0]
+    items = first if isinstance(first, (tuple, list)) else [first]
+    collate = wrap_collate_with_empty(
+        collate_fn=loader.collate_fn or default_collate,
+        sample_empty_shapes=[(0, *shape_safe(x)) for x in items],
+        dtypes=[dtype_safe(x) for x in items],
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed),
+        collate_fn=collate,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+    )
+
+
+def expected_batch_size_of(loader: DataLoader) -> int:
+    """The batch size the user asked for: ``loader.batch_size``, or that of its batch sampler."""
+    batch_size = loader.batch_size
+    if batch_size is None:
+        batch_size = getattr(loader.batch_sampler, "batch_size", None)
+    if not batch_size:
+        raise ValueError(
+            "cannot tell the expected batch size of the training loader (it has no batch_size and its batch_sampler "
+            "none either); build it with DataLoader(dataset, batch_size=...)"
+        )
+    return int(batch_size)

@@ -1,0 +1,74 @@
+"""One private step as pure functions on tensors (spec section 1, steps 2-4).
+
+per-sample gradients -> per-sample norms -> weights (from the clipping rule) -> weighted sums -> Gaussian noise
+-> division by the expected batch size.
+
+Every function here stays on the device of its inputs and never reads a value back to the host, so a step costs
+no synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
+    """L2 norm of each sample's gradient flattened over all parameters: ``||g_i||``, shape ``[n]``."""
+    squares = [g.reshape(g.shape[0], -1).pow(2).sum(dim=1) for g in grad_samples]
+    return torch.stack(squares, dim=0).sum(dim=0).sqrt()
+
+
+def oso_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """The two weight columns OSO needs, shape ``[n, 2]``.
+
+    Column 0 clips (eq. 4): ``gbar_i = g_i * min(1, C_t / ||g_i||)``.
+    Column 1 keeps the unit direction of the clipped samples only (eq. 11):
+    ``d_i = g_i / ||g_i||`` if ``||g_i|| > C_t`` else 0, so ``||d_i||`` is 0 or 1 and the sum has sensitivity 1.
+    """
+    # clamp: a zero gradient gets weight C/eps (harmless, it multiplies zeros) instead of inf * 0 = nan
+    inv_norms = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)
+    clip_weight = (clip * inv_norms).clamp(max=1.0)
+    direction_weight = torch.where(norms > clip, inv_norms, torch.zeros_like(norms))
+    return torch.stack([clip_weight, direction_weight], dim=1)
+
+
+def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor]:
+    """``sum_i weights[i, k] * g_i`` for every column ``k`` at once, per parameter: shape ``[k, *param.shape]``.
+
+    One contraction per parameter reads the per-sample gradients once for all columns.
+    """
+    weights = weights.to(grad_samples[0].dtype) if grad_samples else weights
+    return [torch.einsum("nk,n...->k...", weights, g) for g in grad_samples]
+
+
+def add_gaussian_noise(
+    sums: Sequence[Tensor], stds: Tensor, generator: torch.Generator | None = None
+) -> list[Tensor]:
+    """Add independent ``N(0, stds[k]^2 I)`` to row ``k`` of every parameter's sums (a new list; inputs untouched)."""
+    noisy = []
+    for s in sums:
+        noise = torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype)
+        shape = (-1,) + (1,) * (s.dim() - 1)
+        noisy.append(s + noise * stds.to(s.dtype).reshape(shape))
+    return noisy
+
+
+def sanitise(
+    grad_samples: Sequence[Tensor],
+    weights: Tensor,
+    stds: Tensor,
+    expected_batch_size: float,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
+    """Weighted sums, Gaussian noise, and division by the expected batch size ``B = qN`` (never the actual size:
+    that is private; spec section 0). Returns per parameter a ``[k, *param.shape]`` tensor of sanitised queries."""
+    noisy = add_gaussian_noise(weighted_sums(grad_samples, weights), stds, generator)
+    return [s / expected_batch_size for s in noisy]
+
+
+def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """Inner product of two vectors stored as lists of per-parameter tensors (a 0-dim tensor on their device)."""
+    return torch.stack([(x * y).sum() for x, y in zip(a, b)]).sum()

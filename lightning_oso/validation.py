@@ -1,0 +1,121 @@
+"""Checks that refuse a model, optimizer or trainer configuration the private step cannot make private.
+
+Each check raises before any training data is touched, with a message that names what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+
+class PrivacyConfigurationError(ValueError):
+    """The run, as configured, cannot be trained with the promised differential privacy."""
+
+
+_NORM_FIX = (
+    "replace it with nn.GroupNorm (or nn.LayerNorm), e.g. model = opacus.validators.ModuleValidator.fix(model) "
+    "before training"
+)
+
+
+def validate_model(module: nn.Module) -> None:
+    """Refuse layers that mix samples or that Opacus' per-sample gradient hooks cannot handle (spec section 0)."""
+    problems = []
+    for name, layer in module.named_modules():
+        label = f"{name or '<root>'} ({type(layer).__name__})"
+        if isinstance(layer, _BatchNorm):
+            problems.append(f"{label}: batch normalisation mixes samples in a batch, so one record's gradient "
+                            f"depends on the others and per-sample clipping bounds nothing; {_NORM_FIX}")
+        elif isinstance(layer, _InstanceNorm) and layer.track_running_stats:
+            problems.append(f"{label}: running statistics accumulate across samples; pass "
+                            "track_running_stats=False or use nn.GroupNorm")
+        elif isinstance(layer, nn.RNNBase):
+            problems.append(f"{label}: Opacus computes no per-sample gradient for torch's fused recurrent layers; "
+                            "use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in replacements)")
+        elif isinstance(layer, nn.MultiheadAttention):
+            problems.append(f"{label}: Opacus computes no per-sample gradient for nn.MultiheadAttention; use "
+                            "opacus.layers.DPMultiheadAttention (a drop-in replacement)")
+        elif any(p.requires_grad for p in layer.parameters(recurse=False)) and any(
+            True for _ in layer.buffers(recurse=False)
+        ):
+            problems.append(f"{label}: a trainable layer with buffers (state shared across samples) has no "
+                            "per-sample gradient in Opacus; remove the buffers or freeze the layer")
+    if problems:
+        raise PrivacyConfigurationError(
+            "the model has layers that cannot be trained with per-sample differential privacy:\n  - "
+            + "\n  - ".join(problems)
+        )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise PrivacyConfigurationError("the model has no trainable parameters")
+
+
+def validate_trainer(trainer) -> None:
+    """Refuse trainer settings that would break per-sample sensitivity or the accounting."""
+    if trainer.accumulate_grad_batches != 1:
+        raise PrivacyConfigurationError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: accumulating several Poisson batches before "
+            "one noisy step breaks the per-step accounting. Use accumulate_grad_batches=1 and a larger batch_size "
+            "in the DataLoader (the expected batch size sets the sampling rate)."
+        )
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val != 0:
+        raise PrivacyConfigurationError(
+            f"gradient_clip_val={trainer.gradient_clip_val}: clipping the batch gradient after the noise is added "
+            "changes nothing about privacy but biases the update; per-sample clipping is done by the DP callback. "
+            "Remove gradient_clip_val from the Trainer."
+        )
+    precision = trainer.precision_plugin
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise PrivacyConfigurationError(
+            f"precision={trainer.precision!r} uses a loss scaler, which rescales and skips steps on overflow of the "
+            "per-sample gradients; use precision='32-true' or 'bf16-mixed'"
+        )
+
+
+def validate_optimization(pl_module, optimizers, lr_schedulers, method: str = "OSO") -> None:
+    """Exactly one optimizer, automatic optimisation, and an optimizer the method has an analysis for."""
+    if not pl_module.automatic_optimization:
+        raise PrivacyConfigurationError(
+            "manual optimisation (automatic_optimization=False) is not supported: the private step must run between "
+            "backward and optimizer.step, which only automatic optimisation guarantees. Return the loss from "
+            "training_step and let Lightning step the optimizer."
+        )
+    if len(optimizers) != 1:
+        raise PrivacyConfigurationError(
+            f"configure_optimizers returned {len(optimizers)} optimizers; DP training here needs exactly one"
+        )
+    optimizer = optimizers[0]
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise PrivacyConfigurationError(
+            f"{method} has a derivation for SGD (with or without momentum) only, got {type(optimizer).__name__}. "
+            "For Adam the derivative of the update with respect to C_t is no longer a sum of unit vectors, so the "
+            "direction query loses its unit sensitivity and the OSO paper gives no analysis. Use torch.optim.SGD."
+        )
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if not (float(lr) > 0 and math.isfinite(float(lr))):
+            raise PrivacyConfigurationError(f"the optimizer's learning rate must be positive and finite, got {lr}")
+
+
+def check_budget_arguments(target_epsilon, target_delta, noise_multiplier) -> None:
+    if target_epsilon is None or isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
+        raise PrivacyConfigurationError(
+            f"target_epsilon must be a positive number (the privacy budget), got {target_epsilon!r}"
+        )
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise PrivacyConfigurationError(f"target_epsilon must be positive and finite, got {target_epsilon!r}")
+    if isinstance(target_delta, bool) or not isinstance(target_delta, (int, float)) or not 0 < target_delta < 1:
+        raise PrivacyConfigurationError(f"target_delta must lie in (0, 1), got {target_delta!r}")
+    if noise_multiplier is not None:
+        if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or not (
+            math.isfinite(noise_multiplier) and noise_multiplier > 0
+        ):
+            raise PrivacyConfigurationError(
+                f"noise_multiplier must be a positive finite number or None (calibrate it from the budget), "
+                f"got {noise_multiplier!r}"
+            )
