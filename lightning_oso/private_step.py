@@ -17,7 +17,7 @@ from torch import Tensor
 
 def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     """L2 norm of each sample's gradient flattened over all parameters: ``||g_i||``, shape ``[n]``."""
-    squares = [g.reshape(g.shape[0], -1).pow(2).sum(dim=1) for g in grad_samples]
+    squares = [g.flatten(start_dim=1).pow(2).sum(dim=1) for g in grad_samples]
     return torch.stack(squares, dim=0).sum(dim=0).sqrt()
 
 

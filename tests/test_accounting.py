@@ -1,0 +1,134 @@
+"""Accounting: Proposition 1, calibration and epsilon cross-checked against independent implementations."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from scipy import special
+
+from lightning_oso import accounting
+from lightning_oso.accounting import (
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    max_steps_within_budget,
+    split_noise_multiplier,
+)
+
+
+@pytest.mark.parametrize("nu", [0.5, 1.0, 3.7])
+@pytest.mark.parametrize("ratio", [1.5, 7.124, 30.0])
+def test_proposition_1_split(nu, ratio):
+    nu_g, nu_q = split_noise_multiplier(nu, ratio)
+    assert nu_q == pytest.approx(ratio * nu)
+    assert 1 / nu**2 == pytest.approx(1 / nu_g**2 + 1 / nu_q**2)
+    assert accounting.combined_noise_multiplier(nu_g, nu_q) == pytest.approx(nu)
+
+
+def test_default_split_is_papers_rule_of_thumb():
+    nu_g, nu_q = split_noise_multiplier(2.0)
+    assert nu_g / 2.0 == pytest.approx(1.01, abs=1e-4)  # "a 1% increase in nu_g over nu"
+    assert nu_q == pytest.approx(7.124 * 2.0)
+
+
+def test_split_rejects_ratio_at_most_one():
+    with pytest.raises(ValueError, match="direction_noise_ratio"):
+        split_noise_multiplier(1.0, 1.0)
+
+
+CASES = [(3.0, 64 / 1437, 690), (1.0, 0.01, 1000), (8.0, 0.1, 150)]
+
+
+@pytest.mark.parametrize("eps,q,steps", CASES)
+def test_calibration_meets_target_and_matches_opacus(eps, q, steps):
+    """Independent check: Opacus' own PRV implementation (opacus.accountants.PRVAccountant) and its
+    get_noise_multiplier; tolerance: nu within 0.5%, epsilon within 0.02 (both use eps_error 0.01)."""
+    from opacus.accountants import PRVAccountant as OpacusPRV
+    from opacus.accountants.utils import get_noise_multiplier
+
+    delta = 1e-5
+    nu = calibrate_noise_multiplier(eps, delta, q, steps)
+    ours = compute_epsilon([(nu, q, steps)], delta)
+    assert ours <= eps
+    theirs = OpacusPRV()
+    theirs.history = [(nu, q, steps)]
+    assert theirs.get_epsilon(delta) == pytest.approx(ours, abs=0.02)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nu_opacus = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
+                                         accountant="prv", epsilon_tolerance=0.005)
+    assert nu == pytest.approx(nu_opacus, rel=5e-3)
+    # minimality: 0.3% less noise no longer meets the target
+    assert compute_epsilon([(nu * 0.997, q, steps)], delta) > eps
+
+
+def test_rdp_calibration_and_prv_is_tighter():
+    nu_rdp = calibrate_noise_multiplier(2.0, 1e-5, 0.02, 500, accountant="rdp")
+    nu_prv = calibrate_noise_multiplier(2.0, 1e-5, 0.02, 500, accountant="prv")
+    assert nu_prv < nu_rdp
+    assert accounting.rdp_epsilon([(nu_rdp, 0.02, 500)], 1e-5) <= 2.0
+
+
+def _rdp_integer_order(q, sigma, alpha):
+    """Independent RDP of the Poisson-subsampled Gaussian at integer order (Mironov, Talwar, Zhang 2019, eq. (3)):
+    A_alpha = sum_k C(alpha, k) (1-q)^(alpha-k) q^k exp((k^2 - k) / (2 sigma^2)); RDP = log(A_alpha) / (alpha - 1)."""
+    k = np.arange(alpha + 1)
+    log_terms = (
+        special.gammaln(alpha + 1) - special.gammaln(k + 1) - special.gammaln(alpha - k + 1)
+        + (alpha - k) * np.log1p(-q) + k * np.log(q) + (k * k - k) / (2 * sigma**2)
+    )
+    return special.logsumexp(log_terms) / (alpha - 1)
+
+
+def test_rdp_matches_independent_formula():
+    q, sigma, steps, delta = 0.05, 1.1, 400, 1e-5
+    orders = np.arange(2, 64)
+    rdp = np.array([_rdp_integer_order(q, sigma, a) for a in orders]) * steps
+    eps_ind = np.min(rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders))
+    ours = accounting.rdp_epsilon([(sigma, q, steps)], delta)
+    assert ours <= eps_ind + 1e-9  # ours also searches fractional orders
+    assert ours == pytest.approx(eps_ind, rel=0.03)
+
+
+def test_prv_is_below_rdp_and_composition_is_additive_in_history():
+    h = [(1.0, 0.05, 100), (1.0, 0.05, 150)]
+    assert compute_epsilon(h, 1e-5) == pytest.approx(compute_epsilon([(1.0, 0.05, 250)], 1e-5))
+    assert accounting.prv_epsilon(h, 1e-5) <= accounting.rdp_epsilon(h, 1e-5)
+
+
+def test_prv_failure_falls_back_to_rdp():
+    """prv-accountant 0.2.0 fails at high epsilon (microsoft/prv_accountant#42); we fall back to the RDP bound."""
+    history = [(0.5, 0.2, 1000)]
+    with pytest.raises(accounting.AccountingError):
+        accounting.prv_epsilon(history, 1e-5)
+    with pytest.warns(RuntimeWarning, match="RDP"):
+        accounting._warn_prv_fallback.cache_clear()
+        eps = compute_epsilon(history, 1e-5)
+    assert eps == accounting.rdp_epsilon(history, 1e-5)
+
+
+def test_max_steps_within_budget_is_exact():
+    nu, q, target, delta = 1.2, 0.05, 2.0, 1e-5
+    t = max_steps_within_budget(nu, q, target, delta)
+    assert compute_epsilon([(nu, q, t)], delta) <= target < compute_epsilon([(nu, q, t + 1)], delta)
+    assert max_steps_within_budget(nu, q, target, delta, limit=10) == 10
+    assert max_steps_within_budget(nu, q, 1e-4, delta) == 0
+
+
+def test_accountant_state_roundtrip():
+    acc = PrivacyAccountant(1e-5)
+    for _ in range(30):
+        acc.step(1.1, 0.03)
+    acc.step(0.9, 0.03, count=5)
+    other = PrivacyAccountant(1e-3, "rdp")
+    other.load_state_dict(acc.state_dict())
+    assert other.steps == 35 and other.epsilon() == acc.epsilon()
+    assert acc.history == [[1.1, 0.03, 30], [0.9, 0.03, 5]]
+    assert acc.epsilon(extra_steps=10) > acc.epsilon()
+
+
+@pytest.mark.parametrize("eps,delta", [(0, 1e-5), (-1, 1e-5), (math.inf, 1e-5), (math.nan, 1e-5), (1, 0), (1, 1)])
+def test_calibration_rejects_bad_budget(eps, delta):
+    with pytest.raises(ValueError, match="target_"):
+        calibrate_noise_multiplier(eps, delta, 0.01, 100)

@@ -1,0 +1,163 @@
+"""End-to-end: OSODP with a real Trainer: logging, Poisson sampling, budget stop, resume, the model left as it was."""
+
+import glob
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from conftest import ToyModel, make_trainer, toy_loader
+from lightning_oso import OSODP, DPStrategy, compute_epsilon
+
+
+def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
+    dp = OSODP(target_epsilon=2.0, target_delta=1e-4)
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer = make_trainer([dp], logger=logger, log_every_n_steps=1)
+    model = ToyModel()
+    trainer.fit(model, toy_loader())
+    assert isinstance(trainer.strategy, DPStrategy)  # the callback alone installed it
+    assert dp.steps == trainer.global_step == 30
+    assert 0 < dp.epsilon <= 2.0
+    assert dp.epsilon == pytest.approx(compute_epsilon([(dp.noise_multiplier, 0.1, 30)], 1e-4))
+    assert dp.sample_rate == pytest.approx(0.1)
+    assert dp.gradient_noise_multiplier == pytest.approx(1.01 * dp.noise_multiplier, rel=1e-3)
+    assert dp.direction_noise_multiplier == pytest.approx(7.124 * dp.noise_multiplier)
+    assert dp.clip > 0
+
+    events = EventAccumulator(glob.glob(str(tmp_path / "run" / "version_0"))[0])
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"dp/clip", "dp/lr", "dp/epsilon", "dp/noise_multiplier", "dp/gradient_noise_multiplier",
+            "dp/direction_noise_multiplier"} <= tags
+    assert not any(t.startswith("nonprivate/") for t in tags)
+    assert len(events.Scalars("dp/clip")) == 30
+    epsilons = [s.value for s in events.Scalars("dp/epsilon")]
+    assert epsilons == sorted(epsilons) and max(epsilons) <= 2.0
+    # C_t moves by exactly exp(+-rho_c) or not at all between steps
+    clips = torch.tensor([s.value for s in events.Scalars("dp/clip")], dtype=torch.float64)
+    ratios = (clips[1:] / clips[:-1]).log().abs()
+    assert torch.all((ratios - 2.5e-3).abs() < 1e-5)
+    assert clips[0] == pytest.approx(0.1, rel=1e-6)
+
+
+def test_training_batches_are_poisson_samples():
+    dp = OSODP(target_epsilon=50.0, target_delta=1e-4)
+    model = ToyModel()
+    make_trainer([dp], max_epochs=10).fit(model, toy_loader(batch_size=20))
+    sizes = torch.tensor(model.batch_sizes, dtype=torch.float64)
+    assert len(sizes) == 100
+    assert len(set(model.batch_sizes)) > 5  # a fixed-size loader would give one size
+    assert sizes.mean().item() == pytest.approx(20, abs=4 * (200 * 0.1 * 0.9 / 100) ** 0.5)
+    assert sizes.var().item() == pytest.approx(18, rel=0.5)
+
+
+def test_empty_batches_train_and_are_accounted():
+    dp = OSODP(target_epsilon=20.0, target_delta=1e-3)
+    model = ToyModel()
+    make_trainer([dp], max_epochs=2).fit(model, toy_loader(n=30, batch_size=1))
+    assert 0 in model.batch_sizes
+    assert dp.steps == 60  # empty batches are steps too
+
+
+def test_budget_stop_with_fixed_noise_multiplier():
+    dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0)
+    trainer = make_trainer([dp], max_epochs=100)
+    trainer.fit(ToyModel(), toy_loader())
+    assert dp.steps < 1000 and trainer.global_step == dp.steps
+    assert dp.epsilon <= 1.0
+    assert compute_epsilon([(2.0, 0.1, dp.steps + 1)], 1e-4) > 1.0  # the next step would have overspent
+    assert "privacy budget" in dp.stop_reason
+
+
+def test_user_hooks_and_optimizer_see_only_sanitised_gradients():
+    class Spy(ToyModel):
+        def on_before_optimizer_step(self, optimizer):
+            self.seen = [getattr(p, "grad_sample", None) for p in self.parameters()]
+
+    model = Spy()
+    make_trainer([OSODP(target_epsilon=5.0, target_delta=1e-4)], max_epochs=1).fit(model, toy_loader())
+    assert all(s is None for s in model.seen)  # the per-sample gradients were consumed before the hook ran
+
+
+def test_unused_parameter_is_noised():
+    model = ToyModel()
+    model.unused = nn.Linear(3, 3)
+    before = model.unused.weight.detach().clone()
+    make_trainer([OSODP(target_epsilon=5.0, target_delta=1e-4)], max_epochs=1).fit(model, toy_loader())
+    assert not torch.equal(before, model.unused.weight.detach())
+
+
+def test_model_is_left_unchanged_after_fit():
+    model = ToyModel()
+    make_trainer([OSODP(target_epsilon=5.0, target_delta=1e-4)], max_epochs=1).fit(model, toy_loader())
+    assert type(model) is ToyModel
+    assert not hasattr(model, "autograd_grad_sample_hooks")
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+
+
+def test_explicit_strategy_and_momentum():
+    strategy = DPStrategy()
+    dp = OSODP(target_epsilon=3.0, target_delta=1e-4, seed=7)
+    trainer = make_trainer([dp], strategy=strategy)
+    trainer.fit(ToyModel(momentum=0.9), toy_loader())
+    assert trainer.strategy is strategy and dp.steps == 30 and dp.epsilon <= 3.0
+
+
+def test_nonprivate_diagnostics_only_on_opt_in():
+    dp = OSODP(target_epsilon=5.0, target_delta=1e-4, log_nonprivate_diagnostics=True)
+    trainer = make_trainer([dp], max_epochs=1)
+    with pytest.warns(UserWarning, match="NOT covered"):
+        trainer.fit(ToyModel(), toy_loader())
+    metrics = trainer.callback_metrics
+    assert {"nonprivate/clipped_fraction", "nonprivate/grad_norm_max", "nonprivate/batch_size"} <= set(metrics)
+
+
+def test_learning_to_classify():
+    """OSO actually trains: a separable toy problem reaches high accuracy at a moderate budget."""
+    dp = OSODP(target_epsilon=8.0, target_delta=1e-4)
+    model = ToyModel(lr=2.0)
+    loader = toy_loader(n=400, batch_size=40)
+    make_trainer([dp], max_epochs=15).fit(model, loader)
+    x, y = loader.dataset.tensors
+    accuracy = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracy > 0.8
+
+
+def _run(tmp_path, max_epochs, ckpt_path=None, callbacks=()):
+    L.seed_everything(99, verbose=False)
+    model = ToyModel(momentum=0.5)
+    dp = OSODP(target_epsilon=3.0, target_delta=1e-4, seed=5)
+    trainer = make_trainer([dp, *callbacks], max_epochs=max_epochs, enable_checkpointing=bool(callbacks))
+    trainer.fit(model, toy_loader(), ckpt_path=ckpt_path)
+    return dp, model, trainer
+
+
+def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path):
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    full_dp, full_model, full_trainer = _run(tmp_path, 4, callbacks=[checkpoints])
+    resumed_dp, resumed_model, resumed_trainer = _run(tmp_path, 4, ckpt_path=str(tmp_path / "epoch=1.ckpt"))
+    assert resumed_dp.steps == full_dp.steps == 40
+    assert resumed_dp.epsilon == full_dp.epsilon
+    assert resumed_dp.clip == full_dp.clip
+    assert resumed_dp.noise_multiplier == full_dp.noise_multiplier
+    assert float(resumed_trainer.optimizers[0].param_groups[0]["lr"]) == float(
+        full_trainer.optimizers[0].param_groups[0]["lr"]
+    )
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(a, b)
+    # a resumed run that was not restored would differ: the C_t trajectory is noise-dependent
+    fresh_dp, _, _ = _run(tmp_path, 2)
+    assert fresh_dp.steps == 20
+
+
+def test_resume_with_other_privacy_settings_is_refused(tmp_path):
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    _run(tmp_path, 1, callbacks=[checkpoints])
+    dp = OSODP(target_epsilon=3.0, target_delta=1e-4, noise_multiplier=2.0, seed=5)
+    with pytest.raises(ValueError, match="same privacy settings"):
+        make_trainer([dp], max_epochs=2).fit(ToyModel(momentum=0.5), toy_loader(), ckpt_path=str(tmp_path / "epoch=0.ckpt"))

@@ -1,0 +1,71 @@
+"""Poisson sampling: rates, independence across epochs, determinism, empty batches."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lightning_oso.data import PoissonBatchSampler, poisson_loader
+
+
+def test_batch_sizes_are_binomial_and_every_record_has_rate_q():
+    n, q, steps = 500, 0.04, 2000
+    sampler = PoissonBatchSampler(n, q, steps, seed=3)
+    batches = list(sampler)
+    sizes = np.array([len(b) for b in batches])
+    assert len(batches) == steps == len(sampler)
+    # mean and variance of Binomial(n, q): n q = 20, n q (1 - q) = 19.2
+    assert sizes.mean() == pytest.approx(n * q, abs=5 * np.sqrt(n * q * (1 - q) / steps))
+    assert sizes.var() == pytest.approx(n * q * (1 - q), rel=0.15)
+    counts = np.bincount(np.concatenate([np.array(b, dtype=int) for b in batches]), minlength=n)
+    per_record = counts / steps
+    assert per_record.mean() == pytest.approx(q, rel=0.01)
+    # each record's inclusion count is Binomial(steps, q): chi-square-like spread, no record favoured
+    assert per_record.std() == pytest.approx(np.sqrt(q * (1 - q) / steps), rel=0.2)
+    assert all(len(set(b)) == len(b) for b in batches)  # no duplicates inside a batch
+
+
+def test_epochs_differ_and_are_reproducible():
+    a, b = PoissonBatchSampler(100, 0.1, 5, seed=1), PoissonBatchSampler(100, 0.1, 5, seed=1)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first
+    b.set_epoch(1)
+    assert list(b) == list(a)
+    assert a.sampler is a  # Lightning calls set_epoch on dataloader.batch_sampler.sampler
+
+
+def test_empty_batches_keep_structure():
+    x, y = torch.randn(20, 3, 2), torch.arange(20)
+    loader = DataLoader(TensorDataset(x, y), batch_size=1)  # q = 1/20 per record
+    dp = poisson_loader(loader, seed=0)
+    batches = list(dp)
+    assert len(batches) == len(loader) == 20
+    empty = [b for b in batches if b[0].shape[0] == 0]
+    assert empty, "with q=0.05 and N=20 some of 20 batches are empty (prob. of none: ~1e-3)"
+    assert empty[0][0].shape == (0, 3, 2) and empty[0][1].shape == (0,)
+    assert dp.batch_sampler.sample_rate == pytest.approx(1 / 20)
+
+
+def test_loader_settings_kept_and_sampler_replaced():
+    ds = TensorDataset(torch.randn(64, 2))
+    loader = DataLoader(ds, batch_size=16, shuffle=True, drop_last=True, pin_memory=False)
+    dp = poisson_loader(loader, seed=0)
+    assert isinstance(dp.batch_sampler, PoissonBatchSampler)
+    assert dp.batch_sampler.sample_rate == pytest.approx(0.25)
+    assert len(dp) == 4
+
+
+def test_iterable_dataset_refused():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(ValueError, match="IterableDataset"):
+        poisson_loader(DataLoader(Stream(), batch_size=2), seed=0)
+
+
+@pytest.mark.parametrize("args", [(0, 0.1, 1), (10, 0.0, 1), (10, 1.5, 1), (10, 0.1, 0)])
+def test_sampler_rejects_bad_arguments(args):
+    with pytest.raises(ValueError):
+        PoissonBatchSampler(*args, seed=0)

@@ -1,0 +1,143 @@
+"""The private step's maths against brute force: clipping, directions, noise, sensitivity."""
+
+import math
+
+import pytest
+import torch
+from opacus.grad_sample import GradSampleHooks
+from torch import nn
+
+from lightning_oso import private_step
+from lightning_oso.clipping import OSOClipping
+
+
+def _grad_samples(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # norms spread over two orders of magnitude around the clip, plus an exact zero gradient
+    shapes = [(n, 3, 4), (n, 5), (n, 2, 2, 3)]
+    samples = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    scale = torch.logspace(-2, 1, n, dtype=torch.float64)
+    samples = [s * scale.reshape(-1, *([1] * (s.dim() - 1))) for s in samples]
+    for s in samples:
+        s[3] = 0.0
+    return samples
+
+
+def _flat(samples, i):
+    return torch.cat([s[i].flatten() for s in samples])
+
+
+def test_norms_match_loop():
+    samples = _grad_samples()
+    norms = private_step.per_sample_norms(samples)
+    expected = torch.stack([_flat(samples, i).norm() for i in range(samples[0].shape[0])])
+    torch.testing.assert_close(norms, expected)
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.5, 3.0])
+def test_clipped_and_direction_sums_match_brute_force(clip):
+    samples = _grad_samples()
+    n = samples[0].shape[0]
+    weights = private_step.oso_weights(private_step.per_sample_norms(samples), torch.tensor(clip, dtype=torch.float64))
+    sums = private_step.weighted_sums(samples, weights)
+    clipped, direction = torch.zeros_like(_flat(samples, 0)), torch.zeros_like(_flat(samples, 0))
+    for i in range(n):  # the spec's formulas, one sample at a time
+        g = _flat(samples, i)
+        norm = g.norm()
+        clipped += g * min(1.0, clip / norm.item()) if norm > 0 else 0 * g
+        if norm > clip:
+            direction += g / norm
+    torch.testing.assert_close(torch.cat([s[0].flatten() for s in sums]), clipped)
+    torch.testing.assert_close(torch.cat([s[1].flatten() for s in sums]), direction)
+    assert not torch.isnan(weights).any()
+
+
+def test_one_record_changes_noiseless_sums_by_at_most_clip_and_one():
+    """Neighbouring datasets (add/remove one record): the clipped sum moves by <= C_t, the direction sum by <= 1."""
+    clip = torch.tensor(0.3, dtype=torch.float64)
+    base = _grad_samples(seed=1)
+    for extra_scale in [1e-3, 0.29, 0.31, 10.0, 1e6]:
+        extra = [torch.randn(1, *s.shape[1:], dtype=torch.float64) for s in base]
+        norm = torch.cat([e.flatten() for e in extra]).norm()
+        extra = [e / norm * extra_scale for e in extra]
+        neighbour = [torch.cat([s, e]) for s, e in zip(base, extra)]
+
+        def sums(samples):
+            w = private_step.oso_weights(private_step.per_sample_norms(samples), clip)
+            return private_step.weighted_sums(samples, w)
+
+        a, b = sums(base), sums(neighbour)
+        diff_clip = math.sqrt(sum(((x[0] - y[0]) ** 2).sum().item() for x, y in zip(a, b)))
+        diff_dir = math.sqrt(sum(((x[1] - y[1]) ** 2).sum().item() for x, y in zip(a, b)))
+        assert diff_clip <= clip.item() * (1 + 1e-9)
+        assert diff_dir <= 1 + 1e-9
+        if extra_scale > clip:  # a clipped record reaches both bounds exactly
+            assert diff_clip == pytest.approx(clip.item())
+            assert diff_dir == pytest.approx(1.0)
+
+
+def test_noise_standard_deviations():
+    """Noise of the two queries: std C_t * nu_g and nu_q (in sum units), independent; checked on 400k draws."""
+    rule = OSOClipping(noise_multiplier=1.3, initial_clip=0.7)
+    zeros = [torch.zeros(4, 100_000, dtype=torch.float64), torch.zeros(4, 100_000, dtype=torch.float64)]
+    w = rule.weights(torch.ones(4, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(0)
+    noisy = private_step.sanitise(zeros, w, rule.noise_stds(), expected_batch_size=1.0, generator=gen)
+    grad_noise = torch.cat([s[0].flatten() for s in noisy])
+    dir_noise = torch.cat([s[1].flatten() for s in noisy])
+    n = grad_noise.numel()
+    # the sample std of n normals has relative standard error 1/sqrt(2n) ~ 0.0016: allow 5 standard errors
+    tol = 5 / math.sqrt(2 * n)
+    assert grad_noise.std().item() == pytest.approx(0.7 * rule.gradient_noise_multiplier, rel=tol)
+    assert dir_noise.std().item() == pytest.approx(rule.direction_noise_multiplier, rel=tol)
+    assert abs(grad_noise.mean().item()) < 5 * 0.7 * rule.gradient_noise_multiplier / math.sqrt(n)
+    corr = torch.corrcoef(torch.stack([grad_noise, dir_noise]))[0, 1].item()
+    assert abs(corr) < 5 / math.sqrt(n)
+
+
+def test_division_by_expected_not_actual_batch_size():
+    samples = [torch.ones(3, 2, dtype=torch.float64) * 0.01]
+    w = torch.ones(3, 1, dtype=torch.float64)
+    out = private_step.sanitise(samples, w, torch.zeros(1, dtype=torch.float64), expected_batch_size=10.0)
+    torch.testing.assert_close(out[0][0], torch.full((2,), 0.003, dtype=torch.float64))
+
+
+def test_empty_batch_gives_pure_noise():
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=2.0)
+    samples = [torch.zeros(0, 50_000)]
+    norms = private_step.per_sample_norms(samples)
+    out = private_step.sanitise(samples, rule.weights(norms), rule.noise_stds(), 4.0, torch.Generator().manual_seed(1))
+    assert out[0].shape == (2, 50_000)
+    assert out[0][0].std().item() == pytest.approx(2.0 * rule.gradient_noise_multiplier / 4.0, rel=0.03)
+
+
+def test_opacus_hooks_give_true_per_sample_gradients():
+    """The hooks the strategy attaches yield, with a mean loss over a batch, each sample's own gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4))
+    x, y = torch.randn(5, 1, 6, 6), torch.randint(0, 4, (5,))
+    hooks = GradSampleHooks(model, loss_reduction="mean", strict=False)
+    hooks.enable_hooks()
+    nn.functional.cross_entropy(model(x), y).backward()
+    params = list(model.parameters())
+    per_sample = [p.grad_sample.clone() for p in params]
+    hooks.cleanup()
+    for i in range(5):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for p, gs in zip(params, per_sample):
+            torch.testing.assert_close(gs[i], p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_oso_update_rule_signs():
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=1.0, clip_lr=0.1, lr_lr=0.2)
+    g1 = [torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)]  # rows: gradient, direction
+    assert rule.update(g1).item() == 1.0 and rule.clip.item() == 1.0  # first step: no change
+    # gradient agrees with the previous gradient and previous direction: both go up
+    factor = rule.update([torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)])
+    assert factor.item() == pytest.approx(math.exp(0.2))
+    assert rule.clip.item() == pytest.approx(math.exp(0.1))
+    # gradient opposes the previous direction (0, 1) and the previous gradient (2, 0): both go down
+    factor = rule.update([torch.tensor([[-1.0, -1.0], [0.0, 0.0]], dtype=torch.float64)])
+    assert factor.item() == pytest.approx(math.exp(-0.2))
+    assert rule.clip.item() == pytest.approx(1.0)
