@@ -161,3 +161,21 @@ def test_resume_with_other_privacy_settings_is_refused(tmp_path):
     dp = OSODP(target_epsilon=3.0, target_delta=1e-4, noise_multiplier=2.0, seed=5)
     with pytest.raises(ValueError, match="same privacy settings"):
         make_trainer([dp], max_epochs=2).fit(ToyModel(momentum=0.5), toy_loader(), ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+
+
+def test_noise_scale_end_to_end():
+    """Zero gradients: one step moves the weights by pure noise of std lr * C_0 * nu_g / (qN)."""
+
+    class ZeroLoss(ToyModel):
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            return 0.0 * self(x).sum()
+
+    model = ZeroLoss(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
+    before = model.net[0].weight.detach().clone()
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1)
+    make_trainer([dp], max_steps=1).fit(model, toy_loader(batch_size=20))
+    delta = (model.net[0].weight.detach() - before).flatten()
+    expected = 0.1 * dp.gradient_noise_multiplier / 20.0
+    assert delta.std().item() == pytest.approx(expected, rel=5 / (2 * delta.numel()) ** 0.5)
+    assert abs(delta.mean().item()) < 5 * expected / delta.numel() ** 0.5
