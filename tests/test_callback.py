@@ -179,3 +179,15 @@ def test_noise_scale_end_to_end():
     expected = 0.1 * dp.gradient_noise_multiplier / 20.0
     assert delta.std().item() == pytest.approx(expected, rel=5 / (2 * delta.numel()) ** 0.5)
     assert abs(delta.mean().item()) < 5 * expected / delta.numel() ** 0.5
+
+
+def test_resume_after_budget_spent_is_refused(tmp_path):
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0, seed=1)
+    make_trainer([dp, checkpoints], max_epochs=100, enable_checkpointing=True).fit(ToyModel(), toy_loader())
+    assert dp.stop_reason
+    again = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0, seed=1)
+    model = ToyModel()
+    with pytest.raises(ValueError, match="already spent"):
+        make_trainer([again], max_epochs=200).fit(model, toy_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert not model.batch_sizes
