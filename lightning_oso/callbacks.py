@@ -5,9 +5,7 @@ the per-step mechanics in ``strategy.DPStrategy``.
 
 from __future__ import annotations
 
-import logging
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -32,8 +30,6 @@ from lightning_oso.validation import (
     validate_optimization,
     validate_trainer,
 )
-
-log = logging.getLogger(__name__)
 
 
 class OSODP(Callback):
@@ -211,7 +207,7 @@ class OSODP(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         validate_model(pl_module)
-        validate_optimization(pl_module, trainer.optimizers, trainer.lr_scheduler_configs)
+        validate_optimization(pl_module, trainer.optimizers)
         if trainer.lr_scheduler_configs:
             rank_zero_warn(
                 "OSODP adapts the learning rate online (rho_t, applied multiplicatively to each parameter group's "

@@ -27,7 +27,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import Tensor
 
 from lightning_oso import private_step
-from lightning_oso.data import expected_batch_size_of, poisson_loader
+from lightning_oso.data import poisson_loader
 
 
 class DPStrategy(SingleDeviceStrategy):
@@ -51,7 +51,7 @@ class DPStrategy(SingleDeviceStrategy):
         self.noise_generator: torch.Generator | None = None
         self.loss_reduction = "mean"
         self.num_samples: int | None = None
-        self.expected_batch_size: int | None = None
+        self.expected_batch_size: float | None = None  # B = qN
         self.sample_rate: float | None = None
         self._hooks: GradSampleHooks | None = None
         self._batch_size: int | None = None
@@ -93,7 +93,6 @@ class DPStrategy(SingleDeviceStrategy):
             raise TypeError(
                 f"the training data must come from a torch DataLoader to be Poisson-sampled; got {type(dataloader).__name__}"
             )
-        self.expected_batch_size = expected_batch_size_of(dataloader)
         self.num_samples = len(dataloader.dataset)
         loader = poisson_loader(dataloader, seed=self.sampling_seed)
         self.sample_rate = loader.batch_sampler.sample_rate
@@ -154,41 +153,39 @@ class DPStrategy(SingleDeviceStrategy):
         Returns the sanitised queries per parameter (``[k, *shape]``; row ``rule.GRADIENT`` is the new gradient).
         """
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        with_samples = [p for p in params if getattr(p, "grad_sample", None) is not None]
-        for p in params:
-            if getattr(p, "grad_sample", None) is None and p.grad is not None:
+        samples = [getattr(p, "grad_sample", None) for p in params]
+        for p, gs in zip(params, samples):
+            if gs is None and p.grad is not None:
                 raise RuntimeError(
                     f"a parameter of shape {tuple(p.shape)} received a gradient but no per-sample gradient: it is "
                     "not inside the trained LightningModule, or a layer computes it in a way Opacus' hooks cannot "
                     "see. Every optimised parameter must belong to a layer with per-sample gradients."
                 )
-            if isinstance(getattr(p, "grad_sample", None), list):
+            if isinstance(gs, list):
                 raise RuntimeError(
                     "several backward passes before one optimizer step (gradient accumulation or a training_step "
                     "calling backward twice): not supported under DP"
                 )
-        if not with_samples and self._batch_size != 0:
+        present = [gs for gs in samples if gs is not None]
+        if not present and self._batch_size != 0:
             raise RuntimeError(
                 "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
-        grad_samples = [p.grad_sample for p in with_samples]
-        dtype, device = params[0].dtype, params[0].device
-        if grad_samples:
-            norms = private_step.per_sample_norms(grad_samples)
+        if present:
+            norms = private_step.per_sample_norms(present)
         else:
-            norms = torch.zeros(0, dtype=dtype, device=device)
+            norms = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
         weights = self.rule.weights(norms)
         if self.collect_diagnostics:
             self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
         stds = self.rule.noise_stds()
         # parameters not used in this step: per-sample gradients are all zero (still noised: whether a parameter
         # was used may depend on the data)
-        samples_by_param = {id(p): p.grad_sample for p in with_samples}
         full = [
-            samples_by_param.get(id(p), torch.zeros((norms.shape[0], *p.shape), dtype=p.dtype, device=p.device))
-            for p in params
+            gs if gs is not None else torch.zeros((norms.shape[0], *p.shape), dtype=p.dtype, device=p.device)
+            for p, gs in zip(params, samples)
         ]
         sanitised = private_step.sanitise(full, weights, stds, self.expected_batch_size, self.noise_generator)
         for p, s in zip(params, sanitised):

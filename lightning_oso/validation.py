@@ -77,7 +77,7 @@ def validate_trainer(trainer) -> None:
         )
 
 
-def validate_optimization(pl_module, optimizers, lr_schedulers, method: str = "OSO") -> None:
+def validate_optimization(pl_module, optimizers, method: str = "OSO") -> None:
     """Exactly one optimizer, automatic optimisation, and an optimizer the method has an analysis for."""
     if not pl_module.automatic_optimization:
         raise PrivacyConfigurationError(
