@@ -7,15 +7,23 @@ from lightning_oso.accounting import (
     max_steps_within_budget,
     split_noise_multiplier,
 )
-from lightning_oso.callbacks import OSODP
-from lightning_oso.clipping import OSOClipping
+from lightning_oso.callbacks import OSODP, DPCallback, FixedQuantileDP, FixedThresholdDP
+from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.strategy import DPStrategy
 from lightning_oso.validation import PrivacyConfigurationError
 
 __all__ = [
     "OSODP",
+    "ClippingRule",
+    "DPAdamWOSM",
+    "DPCallback",
     "DPStrategy",
+    "FixedQuantileClipping",
+    "FixedQuantileDP",
+    "FixedThresholdClipping",
+    "FixedThresholdDP",
     "OSOClipping",
     "PoissonBatchSampler",
     "PrivacyAccountant",

@@ -151,25 +151,36 @@ def _warn_prv_fallback(reason: str) -> None:
 def calibrate_noise_multiplier(
     target_epsilon: float,
     target_delta: float,
-    sample_rate: float,
-    steps: int,
+    sample_rate: float | Sequence[float],
+    steps: int | Sequence[int],
     accountant: str = "prv",
     rtol: float = 1e-3,
+    prior_history: Sequence[Segment] = (),
 ) -> float:
     """Smallest noise multiplier (to relative tolerance ``rtol``) whose epsilon after ``steps`` steps is at most
     ``target_epsilon`` (spec section 1, "Noise calibration"). The returned value always meets the target.
+
+    ``sample_rate`` and ``steps`` may be sequences of equal length: segments that share the one noise multiplier
+    (the runs of a grid search with different batch sizes, spec section 5). ``prior_history`` is composed in
+    front: mechanisms already run on the same data, whose cost the budget must also cover.
 
     RDP brackets the answer cheaply: its epsilon bounds the PRV one from above, so the RDP-calibrated multiplier
     already meets the target and the tighter accountant only has to search below it.
     """
     _check_budget(target_epsilon, target_delta)
-    if not 0 < sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+    rates = [sample_rate] if isinstance(sample_rate, (int, float)) else list(sample_rate)
+    counts = [steps] if isinstance(steps, (int, np.integer)) else list(steps)
+    if len(rates) != len(counts) or not rates:
+        raise ValueError(f"sample_rate and steps must have the same length, got {len(rates)} and {len(counts)}")
+    for rate in rates:
+        if not 0 < rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {rate}")
+    if sum(counts) < 1 or min(counts) < 0:
+        raise ValueError(f"steps must be non-negative and add up to at least 1, got {steps}")
+    prior = list(prior_history)
 
     def eps(noise: float, kind: str) -> float:
-        return compute_epsilon([(noise, sample_rate, steps)], target_delta, kind)
+        return compute_epsilon(prior + [(noise, rate, count) for rate, count in zip(rates, counts)], target_delta, kind)
 
     def bisect(lo: float, hi: float, kind: str) -> float:
         # invariant: eps(hi) <= target < eps(lo)
@@ -187,7 +198,9 @@ def calibrate_noise_multiplier(
         if hi > 1e6:
             raise ValueError(
                 f"no noise multiplier up to 1e6 reaches epsilon={target_epsilon} at delta={target_delta} "
-                f"for {steps} steps at sample rate {sample_rate}; raise target_epsilon or target_delta"
+                f"for {sum(counts)} steps at sample rate {max(rates)}"
+                + (f" after the {sum(s for *_, s in prior)} steps already taken" if prior else "")
+                + "; raise target_epsilon or target_delta"
             )
     lo = hi / 2
     while lo > 1e-3 and eps(lo, "rdp") <= target_epsilon:
@@ -277,6 +290,11 @@ class PrivacyAccountant:
             noise, rate, _ = history[-1]
             history.append((noise, rate, extra_steps))
         return compute_epsilon(history, self.delta, self.accountant)
+
+    def copy(self) -> "PrivacyAccountant":
+        other = PrivacyAccountant(self.delta, self.accountant)
+        other.history = [list(s) for s in self.history]
+        return other
 
     def state_dict(self) -> dict:
         return {"delta": self.delta, "accountant": self.accountant, "history": [list(s) for s in self.history]}

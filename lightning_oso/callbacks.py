@@ -1,6 +1,11 @@
-"""The OSODP callback: arguments and their validation, wiring into the trainer, accounting, budget stop, logging,
+"""The DP callbacks: arguments and their validation, wiring into the trainer, accounting, budget stop, logging,
 and the state that must survive a resume. The maths lives in ``accounting``, ``clipping`` and ``private_step``;
 the per-step mechanics in ``strategy.DPStrategy``.
+
+:class:`DPCallback` holds everything the methods share; each method is a thin subclass that says which clipping
+rule it runs and which optimizers it has an analysis for: :class:`OSODP` (spec section 1),
+:class:`FixedThresholdDP` (section 2; with :class:`~lightning_oso.DPAdamWOSM` or ``torch.optim.Adam``, section 4) and
+:class:`FixedQuantileDP` (section 3).
 """
 
 from __future__ import annotations
@@ -21,91 +26,84 @@ from lightning_oso.accounting import (
     calibrate_noise_multiplier,
     max_steps_within_budget,
 )
-from lightning_oso.clipping import OSOClipping
+from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
+from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.strategy import DPStrategy
 from lightning_oso.validation import (
     PrivacyConfigurationError,
     check_budget_arguments,
+    check_number,
     validate_model,
     validate_optimization,
     validate_trainer,
 )
 
+_SHARED_ARGS_DOC = """target_epsilon: the privacy budget epsilon; training never spends more.
+        target_delta: the delta of the guarantee; should be well below ``1/len(dataset)`` (a warning says so).
+        noise_multiplier: ``nu``, per step. ``None`` (default): calibrate the smallest ``nu`` whose epsilon after
+            the planned number of steps (``max_epochs`` or ``max_steps``) meets the budget. A number: use it and
+            train until the budget is spent.
+        accountant: ``"prv"`` (default; PRV accountant, with RDP as a fallback where it fails), ``"rdp"``, or a
+            :class:`~lightning_oso.PrivacyAccountant` whose history this run continues (e.g. the earlier runs of a
+            grid search): the budget then covers that history and this run together.
+        loss_reduction: how ``training_step``'s loss reduces over the batch: ``"mean"`` (default) or ``"sum"``.
+        seed: seed of the sampling and noise randomness; ``None`` draws it from torch's global generator, so
+            ``lightning.seed_everything`` makes a run reproducible.
+        log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``, ``nonprivate/grad_norm_median``,
+            ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are computed from raw per-sample
+            gradients and are **not** differentially private; off by default."""
 
-class OSODP(Callback):
-    r"""Train with OSO-DPSGD: differentially private SGD whose clipping threshold ``C_t`` and learning rate
-    ``rho_t`` are learned online from sanitised gradients (Galli et al., "Online Sensitivity Optimization in
-    Differentially Private Learning"; spec ``algorithms.md`` section 1).
+
+def _document_shared_args(cls: type) -> type:
+    """Put the arguments every DP callback shares into the class docstring (one text, four classes)."""
+    if cls.__doc__:  # None under python -OO
+        cls.__doc__ = cls.__doc__.replace("{shared}", _SHARED_ARGS_DOC)
+    return cls
+
+
+@_document_shared_args
+class DPCallback(Callback):
+    r"""What every DP method shares: Poisson sampling, per-sample clipping and noise through :class:`DPStrategy`,
+    accounting, the budget stop, logging and resume. A method subclasses it and implements :meth:`make_rule`
+    (and, if it has optimizer restrictions, :meth:`check_optimizer`).
 
     The training data is Poisson-sampled at rate ``q = batch_size / len(dataset)`` (the DataLoader's batch size
     becomes the *expected* batch size), per-sample gradients are clipped, noised and averaged over the expected
     batch size, and the privacy spent is accounted per step under add/remove-one adjacency. Training stops before
     the step that would push epsilon over ``target_epsilon``.
 
-    Logged every step through Lightning (so any logger gets them): ``dp/clip`` (``C_t``), ``dp/lr`` (``rho_t``,
-    the first parameter group's learning rate) and ``dp/epsilon`` (epsilon spent so far, at the logger's cadence,
-    ``log_every_n_steps``); once, at the start: ``dp/noise_multiplier``, ``dp/gradient_noise_multiplier``,
-    ``dp/direction_noise_multiplier`` and ``dp/sample_rate``.
+    Logged every step through Lightning (so any logger gets them): ``dp/clip`` (``C_t``), ``dp/lr`` (the first
+    parameter group's learning rate) and ``dp/epsilon`` (epsilon spent so far, at the logger's cadence,
+    ``log_every_n_steps``); once, at the start: ``dp/sample_rate`` and the rule's noise multipliers
+    (``dp/noise_multiplier``, ``dp/gradient_noise_multiplier``, ...).
 
     Args:
-        target_epsilon: the privacy budget epsilon; training never spends more.
-        target_delta: the delta of the guarantee; should be well below ``1/len(dataset)`` (a warning says so).
-        noise_multiplier: ``nu``, per step. ``None`` (default): calibrate the smallest ``nu`` whose epsilon after
-            the planned number of steps (``max_epochs`` or ``max_steps``) meets the budget. A number: use it and
-            train until the budget is spent.
-        accountant: ``"prv"`` (default; PRV accountant, with RDP as a fallback where it fails) or ``"rdp"``.
-        initial_clip: ``C_0`` (paper default 0.1).
-        clip_lr: ``rho_c``, the step of the exponential update of ``C_t`` (paper default 2.5e-3).
-        lr_lr: ``rho_r``, the step of the exponential update of the learning rate (paper default 2.5e-3).
-        direction_noise_ratio: ``nu_q / nu`` (Proposition 1; default 7.124, i.e. ``nu_g = 1.01 nu``).
-        loss_reduction: how ``training_step``'s loss reduces over the batch: ``"mean"`` (default) or ``"sum"``.
-        seed: seed of the sampling and noise randomness; ``None`` draws it from torch's global generator, so
-            ``lightning.seed_everything`` makes a run reproducible.
-        log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``, ``nonprivate/grad_norm_median``,
-            ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are computed from raw per-sample
-            gradients and are **not** differentially private; off by default.
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts for
-            a model, optimizer or trainer setting that cannot be made private: the message names the fix.
-
-    Example::
-
-        import lightning.pytorch as L
-        from lightning_oso import OSODP
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[OSODP(target_epsilon=3.0, target_delta=1e-5)])
-        trainer.fit(model, datamodule)  # any LightningModule whose optimizer is torch.optim.SGD
+        {shared}
     """
+
+    #: The method's name in messages.
+    method = "DP"
 
     def __init__(
         self,
         target_epsilon: float,
         target_delta: float = 1e-5,
         noise_multiplier: float | None = None,
-        accountant: str = "prv",
-        initial_clip: float = 0.1,
-        clip_lr: float = 2.5e-3,
-        lr_lr: float = 2.5e-3,
-        direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
+        accountant: str | PrivacyAccountant = "prv",
         loss_reduction: str = "mean",
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, noise_multiplier)
-        if accountant not in ACCOUNTANTS:
-            raise PrivacyConfigurationError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-        for name, value in (("initial_clip", initial_clip), ("clip_lr", clip_lr), ("lr_lr", lr_lr)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                value <= 0 if name == "initial_clip" else value < 0
-            ):
-                kind = "positive" if name == "initial_clip" else "non-negative"
-                raise PrivacyConfigurationError(f"{name} must be a {kind} finite number, got {value!r}")
-        if isinstance(direction_noise_ratio, bool) or not isinstance(direction_noise_ratio, (int, float)) or not (
-            direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio)
-        ):
+        if isinstance(accountant, PrivacyAccountant):
+            if not math.isclose(accountant.delta, target_delta, rel_tol=1e-12):
+                raise PrivacyConfigurationError(
+                    f"the accountant passed reports epsilon at delta={accountant.delta}, but target_delta="
+                    f"{target_delta}: pass the same delta to both"
+                )
+        elif accountant not in ACCOUNTANTS:
             raise PrivacyConfigurationError(
-                f"direction_noise_ratio (nu_q / nu) must be a finite number > 1, got {direction_noise_ratio!r}"
+                f"accountant must be one of {ACCOUNTANTS} or a PrivacyAccountant, got {accountant!r}"
             )
         if loss_reduction not in ("mean", "sum"):
             raise PrivacyConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -114,21 +112,34 @@ class OSODP(Callback):
         self.target_epsilon = float(target_epsilon)
         self.target_delta = float(target_delta)
         self.requested_noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
-        self.initial_clip = float(initial_clip)
-        self.clip_lr = float(clip_lr)
-        self.lr_lr = float(lr_lr)
-        self.direction_noise_ratio = float(direction_noise_ratio)
         self.loss_reduction = loss_reduction
         self.seed = seed
         self.log_nonprivate_diagnostics = log_nonprivate_diagnostics
 
-        self.accountant = PrivacyAccountant(self.target_delta, accountant)
-        self.rule: OSOClipping | None = None
-        self.max_steps: int | None = None  # the most steps the budget allows (set when training starts)
+        self.accountant = (
+            accountant if isinstance(accountant, PrivacyAccountant) else PrivacyAccountant(self.target_delta, accountant)
+        )
+        self.rule: ClippingRule | None = None
+        self.max_steps: int | None = None  # the most steps the accountant's history may hold (set at train start)
         self.stop_reason: str | None = None
         self._strategy: DPStrategy | None = None
         self._restored: dict | None = None
         self._epsilon_cache: tuple[int, float] | None = None
+
+    # ------------------------------------------------------------------ what a method defines
+    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ClippingRule:
+        """The clipping rule of the method, for per-step multiplier ``nu`` and expected batch size ``B = qN``."""
+        raise NotImplementedError
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer the method has no analysis for (default: any optimizer is fine)."""
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
+        """Give the optimizer what it needs to know of the noise (default: nothing)."""
+
+    @property
+    def initial_clip(self) -> float:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ public state
     @property
@@ -142,18 +153,14 @@ class OSODP(Callback):
         return self.rule.gradient_noise_multiplier if self.rule is not None else None
 
     @property
-    def direction_noise_multiplier(self) -> float | None:
-        """``nu_q``: noise of the direction sum (sensitivity 1)."""
-        return self.rule.direction_noise_multiplier if self.rule is not None else None
-
-    @property
     def sample_rate(self) -> float | None:
         """``q``, the Poisson sampling rate (known once the training data is set up)."""
         return self._strategy.sample_rate if self._strategy is not None else None
 
     @property
     def steps(self) -> int:
-        """Private steps taken (each is accounted, also those on empty batches)."""
+        """Private steps in the accountant's history (each is accounted, also those on empty batches); with a
+        shared accountant this includes the steps of the runs before."""
         return self.accountant.steps
 
     @property
@@ -184,12 +191,11 @@ class OSODP(Callback):
         self._strategy.collect_diagnostics = self.log_nonprivate_diagnostics
         if self.log_nonprivate_diagnostics:
             rank_zero_warn(
-                "OSODP(log_nonprivate_diagnostics=True): the nonprivate/* metrics are computed from raw per-sample "
-                "gradients and batch sizes and are NOT covered by the differential privacy guarantee."
+                f"{type(self).__name__}(log_nonprivate_diagnostics=True): the nonprivate/* metrics are computed from "
+                "raw per-sample gradients and batch sizes and are NOT covered by the differential privacy guarantee."
             )
 
-    @staticmethod
-    def _install_strategy(trainer: Trainer) -> DPStrategy:
+    def _install_strategy(self, trainer: Trainer) -> DPStrategy:
         strategy = trainer.strategy
         if isinstance(strategy, DPStrategy):
             return strategy
@@ -200,15 +206,16 @@ class OSODP(Callback):
             trainer._accelerator_connector.strategy = dp_strategy
             return dp_strategy
         raise PrivacyConfigurationError(
-            f"OSODP cannot make training private under strategy {type(strategy).__name__}: it needs one process on "
-            "one device. Pass Trainer(strategy=lightning_oso.DPStrategy(), devices=1, ...) (multi-device DP "
-            "training is not supported yet)."
+            f"{type(self).__name__} cannot make training private under strategy {type(strategy).__name__}: it needs "
+            "one process on one device. Pass Trainer(strategy=lightning_oso.DPStrategy(), devices=1, ...) "
+            "(multi-device DP training is not supported yet)."
         )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         validate_model(pl_module)
         validate_optimization(pl_module, trainer.optimizers)
-        if trainer.lr_scheduler_configs:
+        self.check_optimizer(trainer.optimizers[0])
+        if trainer.lr_scheduler_configs and isinstance(self, OSODP):
             rank_zero_warn(
                 "OSODP adapts the learning rate online (rho_t, applied multiplicatively to each parameter group's "
                 "lr); your lr scheduler changes it too. Chainable schedulers compose multiplicatively; schedulers "
@@ -231,47 +238,51 @@ class OSODP(Callback):
         planned = trainer.estimated_stepping_batches
         noise = self._resolve_noise_multiplier(q, planned)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
-        self.max_steps = max_steps_within_budget(
-            noise, q, self.target_epsilon, self.target_delta, self.accountant.accountant, limit=limit
+        taken = self.accountant.steps
+        allowed = max_steps_within_budget(
+            noise, q, self.target_epsilon, self.target_delta, self.accountant.accountant,
+            prior_history=[tuple(s) for s in self.accountant.history], limit=limit,
         )
-        if self.max_steps < 1:
+        self.max_steps = taken + allowed
+        if allowed < 1:
+            if taken:
+                raise PrivacyConfigurationError(
+                    f"the privacy budget is already spent ({taken} steps taken, epsilon={self.epsilon:.4g} of "
+                    f"{self.target_epsilon}); this run cannot train further"
+                )
             raise PrivacyConfigurationError(
                 f"the budget epsilon={self.target_epsilon}, delta={self.target_delta} does not allow a single step "
                 f"at noise multiplier {noise:.4g} and sample rate {q:.4g}; raise the budget or the noise multiplier"
             )
-        if self.max_steps <= self.accountant.steps:
-            raise PrivacyConfigurationError(
-                f"the privacy budget is already spent ({self.accountant.steps} steps taken, epsilon="
-                f"{self.epsilon:.4g} of {self.target_epsilon}); this run cannot train further"
-            )
-        self._check_min_steps(trainer)
-        self.rule = OSOClipping(noise, self.initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)
+        self._check_min_steps(trainer, allowed)
+        try:
+            self.rule = self.make_rule(noise, strategy.expected_batch_size)
+        except ValueError as err:
+            raise PrivacyConfigurationError(f"{type(self).__name__}: {err}") from err
         self.rule.to(strategy.root_device)
         if self._restored is not None:
             self.rule.load_state_dict(self._restored["rule"])
             self._restored = None
         strategy.rule = self.rule
+        self.configure_optimizer(trainer.optimizers[0], self.rule)
 
-        summary = {
-            "dp/noise_multiplier": self.noise_multiplier,
-            "dp/gradient_noise_multiplier": self.gradient_noise_multiplier,
-            "dp/direction_noise_multiplier": self.direction_noise_multiplier,
-            "dp/sample_rate": q,
-        }
+        summary = {f"dp/{name}": value for name, value in self.rule.noise_multipliers().items()}
+        summary["dp/sample_rate"] = q
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=trainer.global_step)
+        multipliers = ", ".join(f"{name}={value:.4f}" for name, value in self.rule.noise_multipliers().items())
         rank_zero_info(
-            f"OSODP: N={num_samples}, q={q:.4g} (expected batch {strategy.expected_batch_size:.1f}), "
-            f"nu={self.noise_multiplier:.4f} (nu_g={self.gradient_noise_multiplier:.4f}, "
-            f"nu_q={self.direction_noise_multiplier:.4f}), budget epsilon={self.target_epsilon} at "
-            f"delta={self.target_delta} allows {self.max_steps} steps"
+            f"{type(self).__name__}: N={num_samples}, q={q:.4g} (expected batch {strategy.expected_batch_size:.1f}), "
+            f"{multipliers}; budget epsilon={self.target_epsilon} at delta={self.target_delta} allows {allowed} "
+            "steps" + (f" after the {taken} in the accountant's history" if taken else "")
         )
 
     def _resolve_noise_multiplier(self, sample_rate: float, planned_steps: float) -> float:
         if self._restored is not None:
             saved = self._restored["config"]
             mine = self._config(sample_rate)
-            for key in ("target_epsilon", "target_delta", "accountant", "requested_noise_multiplier", "sample_rate"):
+            for key in ("method", "target_epsilon", "target_delta", "accountant", "requested_noise_multiplier",
+                        "sample_rate"):
                 if saved[key] != mine[key] and not (
                     isinstance(saved[key], float) and mine[key] is not None and math.isclose(saved[key], mine[key])
                 ):
@@ -285,22 +296,26 @@ class OSODP(Callback):
             return self.requested_noise_multiplier
         if not math.isfinite(planned_steps):
             raise PrivacyConfigurationError(
-                "OSODP(target_epsilon=...) calibrates the noise for a planned number of steps, but the trainer has "
-                "none (max_epochs=-1 and max_steps=-1): set max_epochs or max_steps, or pass noise_multiplier to "
-                "train until the budget is spent"
+                f"{type(self).__name__}(target_epsilon=...) calibrates the noise for a planned number of steps, but "
+                "the trainer has none (max_epochs=-1 and max_steps=-1): set max_epochs or max_steps, or pass "
+                "noise_multiplier to train until the budget is spent"
             )
-        return calibrate_noise_multiplier(
-            self.target_epsilon, self.target_delta, sample_rate, int(planned_steps), self.accountant.accountant
-        )
+        try:
+            return calibrate_noise_multiplier(
+                self.target_epsilon, self.target_delta, sample_rate, int(planned_steps), self.accountant.accountant,
+                prior_history=[tuple(s) for s in self.accountant.history],
+            )
+        except ValueError as err:
+            raise PrivacyConfigurationError(str(err)) from err
 
-    def _check_min_steps(self, trainer: Trainer) -> None:
+    def _check_min_steps(self, trainer: Trainer, allowed: int) -> None:
         min_steps = trainer.fit_loop.min_steps or 0
         min_epochs = trainer.fit_loop.min_epochs or 0
-        needed = max(min_steps, min_epochs * trainer.num_training_batches)
-        if needed > self.max_steps:
+        needed = max(min_steps, min_epochs * trainer.num_training_batches) - trainer.global_step
+        if needed > allowed:
             raise PrivacyConfigurationError(
                 f"the trainer must run at least {needed} steps (min_epochs/min_steps), but the privacy budget allows "
-                f"{self.max_steps}; lower min_epochs/min_steps or raise the budget"
+                f"{allowed}; lower min_epochs/min_steps or raise the budget"
             )
 
     # ------------------------------------------------------------------ per step
@@ -329,20 +344,20 @@ class OSODP(Callback):
         should_stop = trainer.strategy.reduce_boolean_decision(should_stop, all=False)
         if should_stop and not trainer.should_stop:
             trainer.should_stop = True
-            if self.accountant.steps < trainer.estimated_stepping_batches:
+            if trainer.global_step < trainer.estimated_stepping_batches:
                 self.stop_reason = (
                     f"privacy budget: step {self.accountant.steps + 1} would push epsilon over "
                     f"target_epsilon={self.target_epsilon} (spent {self.epsilon:.4f} at delta={self.target_delta})"
                 )
-                rank_zero_info(f"OSODP: stopping training. Reason: {self.stop_reason}")
+                rank_zero_info(f"{type(self).__name__}: stopping training. Reason: {self.stop_reason}")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         epsilon = self.epsilon
         for logger in trainer.loggers:
             logger.log_metrics({"dp/epsilon": epsilon}, step=trainer.global_step)
         rank_zero_info(
-            f"OSODP: {self.accountant.steps} private steps, epsilon={epsilon:.4f} (target {self.target_epsilon}) "
-            f"at delta={self.target_delta}, final C_t={self.clip:.4g}"
+            f"{type(self).__name__}: {self.accountant.steps} private steps, epsilon={epsilon:.4f} (target "
+            f"{self.target_epsilon}) at delta={self.target_delta}, final C_t={self.clip:.4g}"
             + (f"; stopped early: {self.stop_reason}" if self.stop_reason else "")
         )
 
@@ -353,6 +368,7 @@ class OSODP(Callback):
     # ------------------------------------------------------------------ resume
     def _config(self, sample_rate: float | None) -> dict:
         return {
+            "method": type(self).__name__,
             "target_epsilon": self.target_epsilon,
             "target_delta": self.target_delta,
             "accountant": self.accountant.accountant,
@@ -374,3 +390,228 @@ class OSODP(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._restored = dict(state_dict)
+
+
+
+@_document_shared_args
+class OSODP(DPCallback):
+    r"""Train with OSO-DPSGD: differentially private SGD whose clipping threshold ``C_t`` and learning rate
+    ``rho_t`` are learned online from sanitised gradients (Galli et al., "Online Sensitivity Optimization in
+    Differentially Private Learning"; spec ``algorithms.md`` section 1).
+
+    Everything of :class:`DPCallback` (Poisson sampling, accounting, budget stop, logging, resume) plus the OSO
+    rule: a second, direction query splits the noise by Proposition 1 (``dp/direction_noise_multiplier`` is
+    logged), and ``rho_t`` multiplies every parameter group's learning rate. SGD with or without momentum only.
+
+    Args:
+        {shared}
+        initial_clip: ``C_0`` (paper default 0.1).
+        clip_lr: ``rho_c``, the step of the exponential update of ``C_t`` (paper default 2.5e-3).
+        lr_lr: ``rho_r``, the step of the exponential update of the learning rate (paper default 2.5e-3).
+        direction_noise_ratio: ``nu_q / nu`` (Proposition 1; default 7.124, i.e. ``nu_g = 1.01 nu``).
+
+    Raises:
+        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts for
+            a model, optimizer or trainer setting that cannot be made private: the message names the fix.
+
+    Example::
+
+        import lightning.pytorch as L
+        from lightning_oso import OSODP
+
+        trainer = L.Trainer(max_epochs=10, callbacks=[OSODP(target_epsilon=3.0, target_delta=1e-5)])
+        trainer.fit(model, datamodule)  # any LightningModule whose optimizer is torch.optim.SGD
+    """
+
+    method = "OSO"
+
+    def __init__(
+        self,
+        target_epsilon: float,
+        target_delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        accountant: str | PrivacyAccountant = "prv",
+        initial_clip: float = 0.1,
+        clip_lr: float = 2.5e-3,
+        lr_lr: float = 2.5e-3,
+        direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
+        loss_reduction: str = "mean",
+        seed: int | None = None,
+        log_nonprivate_diagnostics: bool = False,
+    ) -> None:
+        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
+                         log_nonprivate_diagnostics)
+        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
+        self.clip_lr = check_number("clip_lr", clip_lr)
+        self.lr_lr = check_number("lr_lr", lr_lr)
+        if isinstance(direction_noise_ratio, bool) or not isinstance(direction_noise_ratio, (int, float)) or not (
+            direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio)
+        ):
+            raise PrivacyConfigurationError(
+                f"direction_noise_ratio (nu_q / nu) must be a finite number > 1, got {direction_noise_ratio!r}"
+            )
+        self.direction_noise_ratio = float(direction_noise_ratio)
+
+    @property
+    def initial_clip(self) -> float:
+        return self._initial_clip
+
+    @property
+    def direction_noise_multiplier(self) -> float | None:
+        """``nu_q``: noise of the direction sum (sensitivity 1)."""
+        return self.rule.direction_noise_multiplier if self.rule is not None else None
+
+    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> OSOClipping:
+        return OSOClipping(noise_multiplier, self._initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise PrivacyConfigurationError(
+                f"OSO has a derivation for SGD (with or without momentum) only, got {type(optimizer).__name__}. "
+                "For Adam the derivative of the update with respect to C_t is no longer a sum of unit vectors, so the "
+                "direction query loses its unit sensitivity and the OSO paper gives no analysis. Use torch.optim.SGD, "
+                "or FixedThresholdDP for other optimizers."
+            )
+
+
+
+@_document_shared_args
+class FixedThresholdDP(DPCallback):
+    r"""Train with fixed-threshold DP-SGD (Abadi et al. 2016; spec section 2): every per-sample gradient is clipped
+    to norm ``clip`` and the sum gets Gaussian noise ``N(0, (clip nu)^2 I)``.
+
+    Any torch optimizer post-processes the sanitised gradient, so this is also DPAdam (``torch.optim.Adam``) and,
+    with :class:`~lightning_oso.DPAdamWOSM`, DPAdamWOSM (spec section 4): its ``gradient_noise_std`` is set here to
+    ``nu * clip / B`` when training starts, unless given.
+
+    Args:
+        {shared}
+        clip: the clipping threshold ``C`` (required; no default fits every model).
+
+    Raises:
+        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts.
+
+    Example::
+
+        trainer = L.Trainer(max_epochs=10, callbacks=[FixedThresholdDP(target_epsilon=3.0, clip=1.0)])
+        trainer.fit(model, datamodule)  # SGD, Adam, DPAdamWOSM, ...
+    """
+
+    method = "FixedThreshold"
+
+    def __init__(
+        self,
+        target_epsilon: float,
+        target_delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        accountant: str | PrivacyAccountant = "prv",
+        clip: float | None = None,
+        loss_reduction: str = "mean",
+        seed: int | None = None,
+        log_nonprivate_diagnostics: bool = False,
+    ) -> None:
+        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
+                         log_nonprivate_diagnostics)
+        self._clip = check_number("clip", clip, positive=True)
+
+    @property
+    def initial_clip(self) -> float:
+        return self._clip
+
+    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedThresholdClipping:
+        return FixedThresholdClipping(noise_multiplier, self._clip)
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
+        if isinstance(optimizer, DPAdamWOSM):
+            # Theorem 3: the per-coordinate std of the noise in the averaged gradient, nu C / B
+            noise_std = rule.gradient_noise_multiplier * self._clip / self._strategy.expected_batch_size
+            given = {group["gradient_noise_std"] for group in optimizer.param_groups} - {None}
+            if not given:
+                optimizer.set_gradient_noise_std(noise_std)
+            elif any(not math.isclose(value, noise_std, rel_tol=1e-6) for value in given):
+                rank_zero_warn(
+                    f"DPAdamWOSM was given gradient_noise_std={sorted(given)}, but this run's noise has std "
+                    f"nu*C/B = {noise_std:.4g}; the given value is kept (it only rescales the step size)"
+                )
+
+
+
+@_document_shared_args
+class FixedQuantileDP(DPCallback):
+    r"""Train with quantile-based adaptive clipping (Andrew et al. 2021), as run in the OSO paper (spec section 3):
+    ``C_t`` follows the ``target_quantile`` of the per-sample gradient norms, learned from a noisy centred count.
+
+    Per step the count of unclipped samples is released with noise ``sigma_b`` (``count_noise_std``), and the
+    clipped-gradient noise is raised to ``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` so that both together cost one
+    Gaussian mechanism with multiplier ``nu``. Any optimizer except DPAdamWOSM (whose step size assumes a constant
+    ``C``).
+
+    Args:
+        {shared}
+        target_quantile: ``gamma`` in (0, 1), the fraction of samples left unclipped (the paper's grid:
+            0.1, 0.3, 0.5, 0.7, 0.9).
+        initial_clip: ``C_0`` (default 0.1, as in the OSO paper's runs).
+        clip_lr: ``eta_C``, the step of the geometric update of ``C_t`` (default 0.2).
+        count_noise_std: ``sigma_b``; ``None`` (default): ``B / 20`` with ``B`` the expected batch size, as in the
+            OSO paper's runs. Must exceed ``nu / 2``.
+
+    Raises:
+        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts (also
+            when ``nu >= 2 sigma_b``: the count would need the whole budget).
+
+    Example::
+
+        trainer = L.Trainer(max_epochs=10, callbacks=[FixedQuantileDP(target_epsilon=3.0, target_quantile=0.5)])
+        trainer.fit(model, datamodule)
+    """
+
+    method = "FixedQuantile"
+
+    def __init__(
+        self,
+        target_epsilon: float,
+        target_delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        accountant: str | PrivacyAccountant = "prv",
+        target_quantile: float = 0.5,
+        initial_clip: float = 0.1,
+        clip_lr: float = 0.2,
+        count_noise_std: float | None = None,
+        loss_reduction: str = "mean",
+        seed: int | None = None,
+        log_nonprivate_diagnostics: bool = False,
+    ) -> None:
+        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
+                         log_nonprivate_diagnostics)
+        target_quantile = check_number("target_quantile", target_quantile, positive=True)
+        if not target_quantile < 1:
+            raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")
+        self.target_quantile = target_quantile
+        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
+        self.clip_lr = check_number("clip_lr", clip_lr)
+        self.requested_count_noise_std = (
+            None if count_noise_std is None else check_number("count_noise_std", count_noise_std, positive=True)
+        )
+
+    @property
+    def initial_clip(self) -> float:
+        return self._initial_clip
+
+    @property
+    def count_noise_std(self) -> float | None:
+        """``sigma_b``, the noise of the centred count (known once training starts, if not given)."""
+        return self.rule.count_noise_std if self.rule is not None else self.requested_count_noise_std
+
+    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedQuantileClipping:
+        count_noise_std = self.requested_count_noise_std or expected_batch_size / 20.0
+        return FixedQuantileClipping(
+            noise_multiplier, self.target_quantile, count_noise_std, self._initial_clip, self.clip_lr
+        )
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, DPAdamWOSM):
+            raise PrivacyConfigurationError(
+                "DPAdamWOSM's step size lr / (nu C / B + eps) assumes a constant clipping threshold C; the quantile "
+                "rule moves C_t every step. Use FixedThresholdDP with DPAdamWOSM, or SGD/Adam with FixedQuantileDP."
+            )
+

@@ -2,7 +2,18 @@
 sanitised values.
 
 A rule is a small stateful object with one interface, so the private step (``private_step.py``) is the same for
-every method; only the rule varies. This module holds OSO (spec section 1).
+every method; only the rule varies:
+
+- ``weights(norms)``: ``[n, k]``, one column per weighted sum of per-sample gradients the rule releases
+  (column ``GRADIENT`` = 0 is the clipped-gradient sum that becomes the parameter gradient);
+- ``noise_stds()``: ``[k]``, the standard deviation of the Gaussian noise of each sum;
+- ``scalar_queries(norms)``: ``[n, m]`` per-sample contributions to scalar sums (e.g. the quantile rule's count),
+  or ``None``; ``scalar_noise_stds()``: ``[m]``;
+- ``update(sanitised, scalars)``: post-processing of the sanitised values only (spec section 0); returns a factor
+  for the learning rate(s) or ``None``.
+
+Every rule keeps ``noise_multiplier`` (``nu``, what the accountant sees per step) equal to the multiplier of the
+single Gaussian mechanism that its queries, released together, amount to (spec sections 1-3).
 """
 
 from __future__ import annotations
@@ -17,7 +28,145 @@ from lightning_oso import private_step
 from lightning_oso.accounting import DEFAULT_DIRECTION_NOISE_RATIO, split_noise_multiplier
 
 
-class OSOClipping:
+class ClippingRule:
+    """Shared plumbing of the rules: the threshold ``C_t`` as a float64 tensor on the training device, no scalar
+    queries, no learning-rate factor, and a resume check on the noise multipliers.
+
+    Args:
+        noise_multiplier: ``nu``, what the accountant sees per step.
+        clip: the initial (or constant) threshold ``C_0``.
+    """
+
+    #: The sanitised query that becomes the parameter gradient.
+    GRADIENT = 0
+    #: Names of the attributes whose values must not change across a resume (they define the mechanism).
+    _mechanism_keys: tuple[str, ...] = ("noise_multiplier",)
+
+    def __init__(self, noise_multiplier: float, clip: float) -> None:
+        if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be positive and finite, got {noise_multiplier}")
+        if not (clip > 0 and math.isfinite(clip)):
+            raise ValueError(f"the clipping threshold must be positive and finite, got {clip}")
+        self.noise_multiplier = float(noise_multiplier)
+        self.gradient_noise_multiplier = self.noise_multiplier
+        self.clip = torch.tensor(float(clip), dtype=torch.float64)
+
+    def to(self, device: torch.device) -> "ClippingRule":
+        self.clip = self.clip.to(device)
+        return self
+
+    def noise_multipliers(self) -> dict[str, float]:
+        """The per-query noise multipliers, by the names under which they are logged (``dp/<name>``)."""
+        return {"noise_multiplier": self.noise_multiplier, "gradient_noise_multiplier": self.gradient_noise_multiplier}
+
+    # --- what the private step asks of a rule
+    def weights(self, norms: Tensor) -> Tensor:
+        return private_step.clip_weights(norms, self.clip.to(norms.dtype))
+
+    def noise_stds(self) -> Tensor:
+        """``C_t nu_g``: the clipped sum has sensitivity ``C_t``."""
+        return (self.clip * self.gradient_noise_multiplier).reshape(1)
+
+    def scalar_queries(self, norms: Tensor) -> Tensor | None:
+        return None
+
+    def scalar_noise_stds(self) -> Tensor | None:
+        return None
+
+    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> Tensor | None:
+        """Post-processing after the parameter update; returns a learning-rate factor or ``None`` (no change)."""
+        return None
+
+    # --- resume
+    def state_dict(self) -> dict:
+        state = {key: getattr(self, key) for key in self._mechanism_keys}
+        state["clip"] = self.clip.detach().cpu()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in self._mechanism_keys:
+            if not math.isclose(state[key], getattr(self, key), rel_tol=1e-12):
+                raise ValueError(
+                    f"the checkpoint was written with {key}={state[key]}, this run uses {getattr(self, key)}; "
+                    "resume with the same privacy settings"
+                )
+        self.clip = state["clip"].to(device=self.clip.device, dtype=torch.float64)
+
+
+class FixedThresholdClipping(ClippingRule):
+    """Fixed-threshold DP-SGD (Abadi et al. 2016; spec section 2): ``C_t = C``, one query, ``nu_g = nu``.
+
+    The clipped sum ``sum_i g_i min(1, C / ||g_i||)`` has sensitivity ``C`` and gets noise ``N(0, (C nu)^2 I)``.
+    Works with any optimizer: the optimizer only post-processes the sanitised gradient.
+    """
+
+
+class FixedQuantileClipping(ClippingRule):
+    """Quantile-based adaptive clipping (Andrew et al. 2021) as run in the OSO paper (spec section 3).
+
+    Per step, besides the clipped sum, the centred count ``sum_i (b_i - 1/2)`` with ``b_i = 1[||g_i|| <= C_t]``
+    (sensitivity 1/2 under add/remove-one) gets noise ``N(0, sigma_b^2)``:
+    ``b~_t = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / B + 1/2``, then ``C_{t+1} = C_t exp(-eta_C (b~_t - gamma))``.
+
+    The two queries cost one Gaussian mechanism with ``1/nu^2 = 1/nu_g^2 + 1/(2 sigma_b)^2`` (the count's
+    multiplier is ``sigma_b / (1/2)``), so ``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2``; there is no ``nu_g`` when
+    ``nu >= 2 sigma_b``. Opacus' AdaClip counts the raw 0/1 values (sensitivity 1) with the same formula: we do not.
+
+    Args:
+        noise_multiplier: ``nu``.
+        target_quantile: ``gamma``, the fraction of unclipped samples the threshold seeks.
+        count_noise_std: ``sigma_b`` (the OSO paper's runs: ``B / 20``).
+        initial_clip: ``C_0``.
+        clip_lr: ``eta_C``.
+    """
+
+    COUNT = 0  # the row of the scalar queries holding the count
+    _mechanism_keys = ("noise_multiplier", "gradient_noise_multiplier", "count_noise_std", "target_quantile")
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        target_quantile: float,
+        count_noise_std: float,
+        initial_clip: float = 0.1,
+        clip_lr: float = 0.2,
+    ) -> None:
+        super().__init__(noise_multiplier, initial_clip)
+        if not 0 < target_quantile < 1:
+            raise ValueError(f"target_quantile must lie in (0, 1), got {target_quantile}")
+        self.target_quantile = float(target_quantile)
+        self.count_noise_std = float(count_noise_std)
+        self.clip_lr = float(clip_lr)
+        self.gradient_noise_multiplier = quantile_gradient_noise_multiplier(noise_multiplier, count_noise_std)
+
+    def noise_multipliers(self) -> dict[str, float]:
+        return {**super().noise_multipliers(), "count_noise_multiplier": 2 * self.count_noise_std}
+
+    def scalar_queries(self, norms: Tensor) -> Tensor:
+        return private_step.centred_unclipped_count(norms, self.clip.to(norms.dtype))
+
+    def scalar_noise_stds(self) -> Tensor:
+        return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)
+
+    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> None:
+        unclipped_fraction = scalars[self.COUNT].to(torch.float64) + 0.5  # b~_t (the 1/2 un-centres the count)
+        self.clip = self.clip * torch.exp(-self.clip_lr * (unclipped_fraction - self.target_quantile))
+        return None
+
+
+def quantile_gradient_noise_multiplier(noise_multiplier: float, count_noise_std: float) -> float:
+    """``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` (spec section 3); refuses ``nu >= 2 sigma_b``."""
+    count_multiplier = 2.0 * count_noise_std  # the centred count has sensitivity 1/2
+    if not noise_multiplier < count_multiplier:
+        raise ValueError(
+            f"the quantile rule needs noise_multiplier < 2 * count_noise_std, got nu={noise_multiplier:.4g} and "
+            f"sigma_b={count_noise_std:.4g}: the count alone would spend the whole budget. Raise count_noise_std "
+            "(the default is expected_batch_size / 20), the batch size, or the privacy budget."
+        )
+    return (noise_multiplier**-2 - count_multiplier**-2) ** -0.5
+
+
+class OSOClipping(ClippingRule):
     """Online Sensitivity Optimisation (OSO paper, Algorithm 1; spec section 1).
 
     Per step: the clipped-gradient sum with noise ``N(0, (C_t nu_g)^2 I)`` and the direction sum of the clipped
@@ -25,7 +174,8 @@ class OSOClipping:
     update, from sanitised values only (post-processing, no privacy cost), eqs. 20-21:
 
     ``C_{t+1} = C_t exp(rho_c sign(g~_t . q~_{t-1}))`` and ``rho_{t+1} = rho_t exp(rho_r sign(g~_t . g~_{t-1}))``,
-    with ``q~_0 = g~_0 = 0`` (``sign(0) = 0``: no change at the first step).
+    with ``q~_0 = g~_0 = 0`` (``sign(0) = 0``: no change at the first step). With SGD momentum the hypergradient
+    only gains a positive factor, so the same sign rules hold (spec section 1, step 8).
 
     Args:
         noise_multiplier: ``nu``, what the accountant sees per step.
@@ -35,10 +185,9 @@ class OSOClipping:
         direction_noise_ratio: ``nu_q / nu``.
     """
 
-    #: The sanitised query that becomes the parameter gradient.
-    GRADIENT = 0
     #: The sanitised direction query ``q~_t``.
     DIRECTION = 1
+    _mechanism_keys = ("noise_multiplier", "direction_noise_multiplier")
 
     def __init__(
         self,
@@ -48,34 +197,34 @@ class OSOClipping:
         lr_lr: float = 2.5e-3,
         direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
     ) -> None:
-        self.noise_multiplier = float(noise_multiplier)
+        super().__init__(noise_multiplier, initial_clip)
         self.gradient_noise_multiplier, self.direction_noise_multiplier = split_noise_multiplier(
             noise_multiplier, direction_noise_ratio
         )
         self.clip_lr = clip_lr
         self.lr_lr = lr_lr
-        self.clip = torch.tensor(float(initial_clip), dtype=torch.float64)
         self.prev_gradient: list[Tensor] | None = None  # g~_{t-1}
         self.prev_direction: list[Tensor] | None = None  # q~_{t-1}
 
     def to(self, device: torch.device) -> "OSOClipping":
-        self.clip = self.clip.to(device)
+        super().to(device)
         if self.prev_gradient is not None:
             self.prev_gradient = [t.to(device) for t in self.prev_gradient]
             self.prev_direction = [t.to(device) for t in self.prev_direction]
         return self
 
-    # --- what the private step asks of a rule
+    def noise_multipliers(self) -> dict[str, float]:
+        return {**super().noise_multipliers(), "direction_noise_multiplier": self.direction_noise_multiplier}
+
     def weights(self, norms: Tensor) -> Tensor:
         return private_step.oso_weights(norms, self.clip.to(norms.dtype))
 
     def noise_stds(self) -> Tensor:
-        """Standard deviations of the noise added to each sum: ``C_t nu_g`` (sensitivity ``C_t``) and ``nu_q``
-        (sensitivity 1)."""
+        """``C_t nu_g`` (sensitivity ``C_t``) and ``nu_q`` (sensitivity 1)."""
         direction = torch.full_like(self.clip, self.direction_noise_multiplier)
         return torch.stack([self.clip * self.gradient_noise_multiplier, direction])
 
-    def update(self, sanitised: Sequence[Tensor]) -> Tensor:
+    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> Tensor:
         """Eqs. 20-21 from this step's sanitised queries (per parameter ``[2, *shape]``).
 
         Updates ``C_t`` in place and returns the factor ``exp(rho_r sign(g~_t . g~_{t-1}))`` by which the caller
@@ -94,25 +243,15 @@ class OSOClipping:
         self.prev_direction = [d.detach().clone() for d in direction]
         return lr_factor
 
-    # --- resume
     def state_dict(self) -> dict:
-        return {
-            "noise_multiplier": self.noise_multiplier,
-            "direction_noise_multiplier": self.direction_noise_multiplier,
-            "clip": self.clip.detach().cpu(),
-            "prev_gradient": None if self.prev_gradient is None else [t.cpu() for t in self.prev_gradient],
-            "prev_direction": None if self.prev_direction is None else [t.cpu() for t in self.prev_direction],
-        }
+        state = super().state_dict()
+        state["prev_gradient"] = None if self.prev_gradient is None else [t.cpu() for t in self.prev_gradient]
+        state["prev_direction"] = None if self.prev_direction is None else [t.cpu() for t in self.prev_direction]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("noise_multiplier", "direction_noise_multiplier"):
-            if not math.isclose(state[key], getattr(self, key), rel_tol=1e-12):
-                raise ValueError(
-                    f"the checkpoint was written with {key}={state[key]}, this run uses {getattr(self, key)}; "
-                    "resume with the same privacy settings"
-                )
+        super().load_state_dict(state)
         device = self.clip.device
-        self.clip = state["clip"].to(device=device, dtype=torch.float64)
         self.prev_gradient = None if state["prev_gradient"] is None else [t.to(device) for t in state["prev_gradient"]]
         self.prev_direction = (
             None if state["prev_direction"] is None else [t.to(device) for t in state["prev_direction"]]

@@ -21,6 +21,18 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     return torch.stack(squares, dim=0).sum(dim=0).sqrt()
 
 
+def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``."""
+    inv_norms = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)  # a zero gradient: weight C/tiny, times 0
+    return (clip * inv_norms).clamp(max=1.0).unsqueeze(1)
+
+
+def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
+    """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
+    ``[n, 1]`` (spec section 3). Centring halves the sensitivity: adding or removing a record moves the sum by 1/2."""
+    return ((norms <= clip).to(norms.dtype) - 0.5).unsqueeze(1)
+
+
 def oso_weights(norms: Tensor, clip: Tensor) -> Tensor:
     """The two weight columns OSO needs, shape ``[n, 2]``.
 
@@ -67,6 +79,18 @@ def sanitise(
     that is private; spec section 0). Returns per parameter a ``[k, *param.shape]`` tensor of sanitised queries."""
     noisy = add_gaussian_noise(weighted_sums(grad_samples, weights), stds, generator)
     return [s / expected_batch_size for s in noisy]
+
+
+def sanitise_scalars(
+    contributions: Tensor,
+    stds: Tensor,
+    expected_batch_size: float,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Scalar queries: ``(sum_i contributions[i, m] + N(0, stds[m]^2)) / B`` for every column ``m``, shape ``[m]``."""
+    sums = contributions.sum(dim=0)
+    noise = torch.randn(sums.shape, generator=generator, device=sums.device, dtype=sums.dtype)
+    return (sums + noise * stds.to(sums.dtype)) / expected_batch_size
 
 
 def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:

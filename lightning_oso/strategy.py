@@ -134,23 +134,26 @@ class DPStrategy(SingleDeviceStrategy):
     ) -> Any:
         if self.rule is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        sanitised: list[Tensor] = []
+        released: dict[str, Any] = {}
 
         def private_closure() -> Any:
             loss = closure()  # forward + backward: fills p.grad_sample
-            sanitised.extend(self.privatise(optimizer))
+            released["sanitised"], released["scalars"] = self.privatise(optimizer)
             return loss
 
         result = super().optimizer_step(optimizer, private_closure, model, **kwargs)
-        lr_factor = self.rule.update(sanitised)
-        for group in optimizer.param_groups:  # rho_t, applied multiplicatively (spec section 1, step 7)
-            group["lr"] = group["lr"] * lr_factor
+        # the rule learns from sanitised values only (spec section 0): post-processing, no privacy cost
+        lr_factor = self.rule.update(released["sanitised"], released["scalars"])
+        if lr_factor is not None:
+            for group in optimizer.param_groups:  # rho_t, applied multiplicatively (spec section 1, step 7)
+                group["lr"] = group["lr"] * lr_factor
         return result
 
-    def privatise(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    def privatise(self, optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], Tensor | None]:
         """Replace each trainable parameter's gradient by the sanitised clipped-gradient query.
 
-        Returns the sanitised queries per parameter (``[k, *shape]``; row ``rule.GRADIENT`` is the new gradient).
+        Returns the sanitised vector queries per parameter (``[k, *shape]``; row ``rule.GRADIENT`` is the new
+        gradient) and the rule's sanitised scalar queries (``[m]``, or ``None`` if it has none).
         """
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         samples = [getattr(p, "grad_sample", None) for p in params]
@@ -191,7 +194,13 @@ class DPStrategy(SingleDeviceStrategy):
         for p, s in zip(params, sanitised):
             p.grad = s[self.rule.GRADIENT].to(p.dtype)
             p.grad_sample = None
-        return sanitised
+        contributions = self.rule.scalar_queries(norms)
+        scalars = None
+        if contributions is not None:
+            scalars = private_step.sanitise_scalars(
+                contributions, self.rule.scalar_noise_stds(), self.expected_batch_size, self.noise_generator
+            )
+        return sanitised, scalars
 
     # ------------------------------------------------------------------ resume
     def privacy_state_dict(self) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -77,8 +76,9 @@ def validate_trainer(trainer) -> None:
         )
 
 
-def validate_optimization(pl_module, optimizers, method: str = "OSO") -> None:
-    """Exactly one optimizer, automatic optimisation, and an optimizer the method has an analysis for."""
+def validate_optimization(pl_module, optimizers) -> None:
+    """Exactly one optimizer, automatic optimisation, and positive finite learning rates. Which optimizers a
+    method has an analysis for is the method's own check (``DPCallback.check_optimizer``)."""
     if not pl_module.automatic_optimization:
         raise PrivacyConfigurationError(
             "manual optimisation (automatic_optimization=False) is not supported: the private step must run between "
@@ -89,17 +89,20 @@ def validate_optimization(pl_module, optimizers, method: str = "OSO") -> None:
         raise PrivacyConfigurationError(
             f"configure_optimizers returned {len(optimizers)} optimizers; DP training here needs exactly one"
         )
-    optimizer = optimizers[0]
-    if not isinstance(optimizer, torch.optim.SGD):
-        raise PrivacyConfigurationError(
-            f"{method} has a derivation for SGD (with or without momentum) only, got {type(optimizer).__name__}. "
-            "For Adam the derivative of the update with respect to C_t is no longer a sum of unit vectors, so the "
-            "direction query loses its unit sensitivity and the OSO paper gives no analysis. Use torch.optim.SGD."
-        )
-    for group in optimizer.param_groups:
-        lr = group["lr"]
-        if not (float(lr) > 0 and math.isfinite(float(lr))):
+    for group in optimizers[0].param_groups:
+        lr = group.get("lr")
+        if lr is not None and not (float(lr) > 0 and math.isfinite(float(lr))):
             raise PrivacyConfigurationError(f"the optimizer's learning rate must be positive and finite, got {lr}")
+
+
+def check_number(name: str, value, positive: bool = False) -> float:
+    """A finite real number (positive, or non-negative), returned as float; else an error naming the argument."""
+    kind = "positive" if positive else "non-negative"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+        value <= 0 if positive else value < 0
+    ):
+        raise PrivacyConfigurationError(f"{name} must be a {kind} finite number, got {value!r}")
+    return float(value)
 
 
 def check_budget_arguments(target_epsilon, target_delta, noise_multiplier) -> None:
