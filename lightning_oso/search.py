@@ -1,0 +1,490 @@
+"""Honest hyperparameter search: the privacy budget covers every candidate run, not just the winner (spec section 5;
+OSO paper "Experiments"; Mohapatra et al. 2022, Section 3).
+
+Two accountings:
+
+- ``"composition"`` (default): ``K`` candidates of ``T`` steps each are one composition of ``K*T`` subsampled
+  Gaussian steps. One noise multiplier is calibrated for the whole grid, and every run continues one shared
+  :class:`~lightning_oso.PrivacyAccountant`, so each run's DP callback enforces the *grid's* budget.
+- ``"random_stopping"``: Liu and Talwar's algorithm (their Theorem 3.4; Theorem 1 in Mohapatra et al.): candidates are
+  drawn at random with replacement, a ``gamma``-coin stops the search, at most ``Upsilon = log(1/delta_2)/gamma``
+  draws. Each run gets ``(eps_1, delta_1)`` with ``eps_f = 3 eps_1 + 3 sqrt(2 delta_1)`` and
+  ``delta_f = sqrt(2 delta_1) Upsilon + delta_2``; the report shows the blow-up of that guarantee.
+
+Pure functions (:func:`random_stopping_guarantee`, :func:`random_stopping_run_budget`, :func:`noisy_argmax`) hold
+the maths; :class:`HonestGridSearch` runs the candidates (each through the user's Lightning ``train_fn``) and
+keeps the ledger.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.validation import PrivacyConfigurationError, check_budget_arguments, check_number
+
+ACCOUNTINGS = ("composition", "random_stopping")
+SELECTIONS = ("best", "noisy")
+
+
+# ----------------------------------------------------------------------------------------------------- grids
+def log_grid(low: float, high: float, k: int) -> list[float]:
+    """``k`` values from ``low`` to ``high`` uniformly spaced on a log scale (the OSO paper's grids)."""
+    if not (0 < low <= high) or k < 1:
+        raise ValueError(f"log_grid needs 0 < low <= high and k >= 1, got low={low}, high={high}, k={k}")
+    if k == 1:
+        return [float(low)]
+    return [float(v) for v in np.logspace(math.log10(low), math.log10(high), k)]
+
+
+def grid(**axes: Sequence[Any]) -> list[dict[str, Any]]:
+    """The Cartesian product of the axes as a list of candidate dicts: ``grid(lr=[.1, 1], clip=[1])``."""
+    names = list(axes)
+    return [dict(zip(names, values)) for values in itertools.product(*(axes[n] for n in names))]
+
+
+# ----------------------------------------------------------------------------------------------------- maths
+def random_stopping_guarantee(run_epsilon: float, run_delta: float, stop_probability: float, delta_2: float) -> tuple[float, float]:
+    """Theorem 1 (Liu-Talwar Thm 3.4): if one candidate run is ``(eps_1, delta_1)``-DP, the random-stopping search
+    is ``(3 eps_1 + 3 sqrt(2 delta_1), sqrt(2 delta_1) Upsilon + delta_2)``-DP, ``Upsilon = log(1/delta_2)/gamma``."""
+    upsilon = max_random_stopping_draws(stop_probability, delta_2)
+    root = math.sqrt(2 * run_delta)
+    return 3 * run_epsilon + 3 * root, root * upsilon + delta_2
+
+
+def max_random_stopping_draws(stop_probability: float, delta_2: float) -> float:
+    """``Upsilon = log(1/delta_2) / gamma``: the hard cap on the number of draws."""
+    if not 0 < stop_probability <= 1:
+        raise ValueError(f"stop_probability (gamma) must lie in (0, 1], got {stop_probability}")
+    if not 0 < delta_2 < 1:
+        raise ValueError(f"delta_2 must lie in (0, 1), got {delta_2}")
+    return math.log(1 / delta_2) / stop_probability
+
+
+def random_stopping_run_budget(
+    target_epsilon: float, target_delta: float, stop_probability: float, delta_2: float
+) -> tuple[float, float]:
+    """Theorem 1 inverted: the ``(eps_1, delta_1)`` each run may spend so that the search meets
+    ``(target_epsilon, target_delta)``. ``delta_1 = ((delta_f - delta_2) / Upsilon)^2 / 2`` comes out tiny, and
+    with it ``eps_1`` per unit of noise grows: that is the blow-up of random stopping."""
+    if not delta_2 < target_delta:
+        raise ValueError(f"delta_2 ({delta_2}) must be below target_delta ({target_delta})")
+    upsilon = max_random_stopping_draws(stop_probability, delta_2)
+    run_delta = ((target_delta - delta_2) / upsilon) ** 2 / 2
+    run_epsilon = (target_epsilon - 3 * math.sqrt(2 * run_delta)) / 3
+    if run_epsilon <= 0:
+        raise ValueError(f"target_epsilon={target_epsilon} is too small for random stopping at this delta")
+    return run_epsilon, run_delta
+
+
+def noisy_argmax(scores: Sequence[float], epsilon: float, sensitivity: float, generator: torch.Generator) -> int:
+    """Report-noisy-max with Gumbel noise of scale ``2 sensitivity / epsilon``: the exponential mechanism
+    (McSherry-Talwar), ``epsilon``-DP with respect to the data the scores are computed on (the validation set)
+    when one record moves any score by at most ``sensitivity``. A NaN score never wins."""
+    values = torch.tensor([float(s) if math.isfinite(s) else -math.inf for s in scores], dtype=torch.float64)
+    uniform = torch.rand(len(values), generator=generator, dtype=torch.float64).clamp_min(1e-300)
+    gumbel = -torch.log(-torch.log(uniform))
+    return int(torch.argmax(values + gumbel * (2 * sensitivity / epsilon)))
+
+
+# ----------------------------------------------------------------------------------------------------- the search
+@dataclass
+class RunRecord:
+    """One training run of the search."""
+
+    candidate: dict
+    seed: int
+    score: float
+    steps: int
+
+
+@dataclass
+class SearchResult:
+    """Scores, the winner and the privacy spent by a search; ``report()`` writes it for people, ``to_dict()`` for
+    machines."""
+
+    accounting: str
+    candidates: list[dict]
+    seeds: list[int]
+    mode: str
+    mean_scores: list[float]  # per candidate (NaN if never drawn)
+    std_scores: list[float]
+    winner_index: int
+    winner: dict
+    noise_multiplier: float
+    target_epsilon: float
+    target_delta: float
+    epsilon_spent: float  # of the whole search, at target_delta (one pass over the seeds, as charged)
+    runs: list[RunRecord] = field(default_factory=list)
+    selection: str = "best"
+    selection_epsilon: float | None = None
+    uncharged: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    def report(self) -> str:
+        arrow = "higher" if self.mode == "max" else "lower"
+        lines = [
+            f"Honest search ({self.accounting}): {len(self.candidates)} candidates x {len(self.seeds)} seed(s); "
+            f"score: {arrow} is better",
+            "",
+            "| # | candidate | score (mean +- std over seeds) |",
+            "|---|---|---|",
+        ]
+        for i, (cand, mean, std) in enumerate(zip(self.candidates, self.mean_scores, self.std_scores)):
+            mark = " **winner**" if i == self.winner_index else ""
+            score = "not drawn" if math.isnan(mean) and self.accounting == "random_stopping" else f"{mean:.4f} +- {std:.4f}"
+            lines.append(f"| {i} | {_fmt(cand)} | {score}{mark} |")
+        lines += [
+            "",
+            f"Winner: {_fmt(self.winner)} ({self.selection} selection"
+            + (f", epsilon_select={self.selection_epsilon}" if self.selection == "noisy" else "") + ")",
+            f"Privacy spent by the whole search: epsilon={self.epsilon_spent:.4f} (target {self.target_epsilon}) at "
+            f"delta={self.target_delta}; noise multiplier per step {self.noise_multiplier:.4f}",
+        ]
+        for key, value in self.details.items():
+            lines.append(f"  {key}: {value}")
+        lines.append("Not charged:")
+        lines += [f"  - {text}" for text in self.uncharged]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self), default=float))
+
+
+class HonestGridSearch:
+    r"""Hyperparameter search whose privacy budget covers every candidate run (spec section 5).
+
+    The user supplies ``train_fn(candidate, seed, dp) -> score``: it builds the model and a Trainer, passes
+    ``**dp`` to its DP callback (``OSODP``, ``FixedThresholdDP``, ``FixedQuantileDP``), trains at most
+    ``steps_per_run`` steps and returns the validation score. ``dp`` holds ``target_epsilon``, ``target_delta``,
+    ``noise_multiplier`` and ``accountant`` (the search's ledger): with it the callback stops any run that would
+    overspend the search's budget. The search checks after every run that the ledger advanced (so the dp arguments
+    were used) by at most ``steps_per_run`` steps.
+
+    Args:
+        candidates: the candidate hyperparameters (dicts; see :func:`grid` and :func:`log_grid`).
+        train_fn: ``(candidate, seed, dp) -> float``; one Lightning run.
+        target_epsilon: the budget of the **whole search**.
+        target_delta: its delta.
+        sample_rate: ``q`` of every run (``batch_size / N``), or a function of the candidate.
+        steps_per_run: ``T``, the steps each run takes (its Trainer's ``max_steps``).
+        seeds: seeds each candidate is trained with; scores are averaged. Repeats are *not charged* (as in the OSO
+            paper) unless ``charge_seeds=True``; the report states it either way.
+        charge_seeds: charge every seed's runs (the budget then covers ``len(seeds) * K * T`` steps).
+        mode: ``"max"`` (accuracy) or ``"min"`` (loss) of the score.
+        accounting: ``"composition"`` (default) or ``"random_stopping"`` (Liu-Talwar).
+        stop_probability: ``gamma`` of random stopping (default ``1 / len(candidates)``).
+        delta_2: ``delta_2`` of random stopping (default ``target_delta / 10``).
+        accountant: ``"prv"`` or ``"rdp"``.
+        selection: ``"best"`` (default: argmax of the un-noised validation scores, as in the papers; the report
+            says the choice is not covered) or ``"noisy"`` (report-noisy-max, ``selection_epsilon``-DP with respect
+            to the validation set).
+        selection_epsilon: epsilon of noisy selection.
+        score_sensitivity: how much one validation record can move a (seed-averaged) score, e.g.
+            ``1 / len(validation set)`` for accuracy; needed for noisy selection.
+        selection_seed: seed of the selection noise and of random stopping's draws.
+        progress: show a progress bar over the runs (with the time left).
+
+    Raises:
+        PrivacyConfigurationError: for an invalid argument, or when the budget cannot cover the search.
+
+    Example::
+
+        def train(candidate, seed, dp):
+            model = Net(lr=candidate["lr"])
+            trainer = L.Trainer(max_steps=200, callbacks=[FixedThresholdDP(clip=candidate["clip"], seed=seed, **dp)])
+            trainer.fit(model, datamodule)
+            return trainer.callback_metrics["val/acc"].item()
+
+        search = HonestGridSearch(grid(lr=log_grid(1e-2, 10, 5), clip=log_grid(1e-2, 1e2, 5)), train,
+                                  target_epsilon=3.0, target_delta=1e-5, sample_rate=64 / 1257, steps_per_run=200)
+        result = search.run()
+        print(result.report())
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[Mapping[str, Any]],
+        train_fn: Callable[[dict, int, dict], float],
+        target_epsilon: float,
+        target_delta: float,
+        sample_rate: float | Callable[[dict], float],
+        steps_per_run: int,
+        seeds: Sequence[int] = (0,),
+        charge_seeds: bool = False,
+        mode: str = "max",
+        accounting: str = "composition",
+        stop_probability: float | None = None,
+        delta_2: float | None = None,
+        accountant: str = "prv",
+        selection: str = "best",
+        selection_epsilon: float | None = None,
+        score_sensitivity: float | None = None,
+        selection_seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        check_budget_arguments(target_epsilon, target_delta, None)
+        if not candidates:
+            raise PrivacyConfigurationError("candidates is empty: give at least one candidate")
+        if not callable(train_fn):
+            raise PrivacyConfigurationError(f"train_fn must be callable, got {train_fn!r}")
+        if isinstance(steps_per_run, bool) or not isinstance(steps_per_run, int) or steps_per_run < 1:
+            raise PrivacyConfigurationError(f"steps_per_run must be a positive int, got {steps_per_run!r}")
+        if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+            raise PrivacyConfigurationError(f"seeds must be a non-empty sequence of ints, got {seeds!r}")
+        if mode not in ("max", "min"):
+            raise PrivacyConfigurationError(f"mode must be 'max' or 'min', got {mode!r}")
+        if accounting not in ACCOUNTINGS:
+            raise PrivacyConfigurationError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+        if accountant not in ACCOUNTANTS:
+            raise PrivacyConfigurationError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+        if selection not in SELECTIONS:
+            raise PrivacyConfigurationError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+        if selection == "noisy":
+            if selection_epsilon is None or score_sensitivity is None:
+                raise PrivacyConfigurationError(
+                    "selection='noisy' needs selection_epsilon and score_sensitivity (how much one validation record "
+                    "can move a score, e.g. 1/len(validation set) for accuracy)"
+                )
+            check_number("selection_epsilon", selection_epsilon, positive=True)
+            check_number("score_sensitivity", score_sensitivity, positive=True)
+        self.candidates = [dict(c) for c in candidates]
+        rates = [sample_rate(c) if callable(sample_rate) else sample_rate for c in self.candidates]
+        for rate in rates:
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+                raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {rate!r}")
+        self.sample_rates = [float(r) for r in rates]
+        self.train_fn = train_fn
+        self.target_epsilon = float(target_epsilon)
+        self.target_delta = float(target_delta)
+        self.steps_per_run = steps_per_run
+        self.seeds = list(seeds)
+        self.charge_seeds = charge_seeds
+        self.mode = mode
+        self.accounting = accounting
+        self.accountant = accountant
+        self.selection = selection
+        self.selection_epsilon = selection_epsilon
+        self.score_sensitivity = score_sensitivity
+        self.generator = torch.Generator().manual_seed(selection_seed)
+        self.progress = progress
+        if accounting == "random_stopping":
+            self.stop_probability = check_number(
+                "stop_probability", 1 / len(self.candidates) if stop_probability is None else stop_probability,
+                positive=True,
+            )
+            self.delta_2 = check_number("delta_2", target_delta / 10 if delta_2 is None else delta_2, positive=True)
+            try:
+                self.run_epsilon, self.run_delta = random_stopping_run_budget(
+                    self.target_epsilon, self.target_delta, self.stop_probability, self.delta_2
+                )
+            except ValueError as err:
+                raise PrivacyConfigurationError(str(err)) from err
+        self.noise_multiplier = self._calibrate()
+
+    # ------------------------------------------------------------------ planning
+    def _calibrate(self) -> float:
+        """The one noise multiplier of every run."""
+        repeats = len(self.seeds) if self.charge_seeds else 1
+        try:
+            if self.accounting == "composition":
+                # K runs of T steps: one composition of K*T subsampled Gaussian steps (spec section 5)
+                return calibrate_noise_multiplier(
+                    self.target_epsilon, self.target_delta, self.sample_rates * repeats,
+                    [self.steps_per_run] * (len(self.candidates) * repeats), self.accountant,
+                )
+            # random stopping: every run (all its seeds, if charged) meets (eps_1, delta_1)
+            return max(
+                calibrate_noise_multiplier(
+                    self.run_epsilon, self.run_delta, rate, self.steps_per_run * repeats, self.accountant
+                )
+                for rate in set(self.sample_rates)
+            )
+        except ValueError as err:
+            raise PrivacyConfigurationError(f"the budget cannot cover this search: {err}") from err
+
+    def _new_ledger(self) -> PrivacyAccountant:
+        if self.accounting == "composition":
+            return PrivacyAccountant(self.target_delta, self.accountant)
+        return PrivacyAccountant(self.run_delta, self.accountant)
+
+    def _dp_arguments(self, ledger: PrivacyAccountant) -> dict:
+        if self.accounting == "composition":
+            budget = (self.target_epsilon, self.target_delta)
+        else:
+            budget = (self.run_epsilon, self.run_delta)
+        return {"target_epsilon": budget[0], "target_delta": budget[1], "noise_multiplier": self.noise_multiplier,
+                "accountant": ledger}
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> SearchResult:
+        """Train the candidates, pick the winner, and account the whole search."""
+        if self.accounting == "composition":
+            order = list(range(len(self.candidates)))
+        else:
+            order = self._random_stopping_draws()
+        total = len(order) * len(self.seeds)
+        bar = _progress_bar(total, self.progress)
+        records: list[RunRecord] = []
+        scores: dict[int, list[float]] = {}
+        # Composition: one ledger per seed, each seed's pass over the grid being one full composition (seeds not
+        # charged), or one ledger for all (charge_seeds). Random stopping: one ledger per draw (all its seeds if
+        # charged) or per run, each held to (eps_1, delta_1).
+        if self.charge_seeds:
+            shared = self._new_ledger()
+            per_seed = {seed: shared for seed in self.seeds}
+        else:
+            per_seed = {seed: self._new_ledger() for seed in self.seeds}
+        used: list[PrivacyAccountant] = []
+        for index in order:
+            draw_ledger = self._new_ledger()
+            for seed in self.seeds:
+                if self.accounting == "composition":
+                    ledger = per_seed[seed]
+                else:
+                    ledger = draw_ledger if self.charge_seeds else self._new_ledger()
+                before = ledger.steps
+                candidate = dict(self.candidates[index])
+                score = float(self.train_fn(candidate, seed, self._dp_arguments(ledger)))
+                taken = ledger.steps - before
+                self._check_run(candidate, taken)
+                records.append(RunRecord(candidate, seed, score, taken))
+                scores.setdefault(index, []).append(score)
+                used.append(ledger)
+                bar.update(1)
+                bar.set_postfix_str(f"{_fmt(candidate)} seed={seed}: {score:.4g}")
+        bar.close()
+        return self._result(order, scores, records, used)
+
+    def _random_stopping_draws(self) -> list[int]:
+        """Candidates drawn uniformly with replacement until a ``gamma``-coin says stop, at most ``Upsilon``."""
+        cap = math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))
+        draws = []
+        while len(draws) < cap:
+            draws.append(int(torch.randint(len(self.candidates), (1,), generator=self.generator)))
+            if torch.rand(1, generator=self.generator, dtype=torch.float64).item() < self.stop_probability:
+                break
+        return draws
+
+    def _check_run(self, candidate: dict, taken: int) -> None:
+        if taken == 0:
+            raise PrivacyConfigurationError(
+                f"the run of {_fmt(candidate)} added no step to the search's accountant: train_fn must pass its dp "
+                "argument to the DP callback, e.g. OSODP(**dp)"
+            )
+        if taken > self.steps_per_run:
+            raise PrivacyConfigurationError(
+                f"the run of {_fmt(candidate)} took {taken} steps, more than steps_per_run={self.steps_per_run}: set "
+                "the Trainer's max_steps to steps_per_run (it would spend the budget of the runs after it)"
+            )
+
+    def _result(self, order, scores, records, ledgers: list[PrivacyAccountant]) -> SearchResult:
+        means, stds = [], []
+        for index in range(len(self.candidates)):
+            values = scores.get(index)
+            if not values:
+                means.append(math.nan)
+                stds.append(math.nan)
+                continue
+            means.append(statistics.fmean(values))
+            stds.append(statistics.pstdev(values) if len(values) > 1 else 0.0)
+        signed = [m if self.mode == "max" else -m for m in means]
+        drawn = sorted(scores)
+        if self.selection == "noisy":
+            winner = drawn[noisy_argmax([signed[i] for i in drawn], self.selection_epsilon, self.score_sensitivity,
+                                        self.generator)]
+        else:
+            winner = max(drawn, key=lambda i: signed[i] if math.isfinite(signed[i]) else -math.inf)
+
+        uncharged = []
+        details: dict[str, Any] = {}
+        if self.accounting == "composition":
+            ledger = ledgers[0]  # the first seed's pass (the only ledger, if seeds are charged)
+            epsilon = ledger.epsilon()
+            details["runs charged"] = (
+                f"{len(self.candidates) * (len(self.seeds) if self.charge_seeds else 1)} runs of at most "
+                f"{self.steps_per_run} steps ({ledger.steps} steps accounted)"
+            )
+            if not self.charge_seeds and len(self.seeds) > 1:
+                charged = compute_epsilon(
+                    [tuple(s) for s in ledger.history] * len(self.seeds), self.target_delta, self.accountant
+                )
+                uncharged.append(
+                    f"the repeats over {len(self.seeds)} seeds (as in the OSO paper): charging them would spend "
+                    f"epsilon={charged:.4f}"
+                )
+            single = compute_epsilon([(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)],
+                                     self.target_delta, self.accountant)
+            details["one run alone at this noise"] = f"epsilon={single:.4f}"
+        else:
+            # what each run (each draw, if seeds are charged) actually spent, at delta_1
+            epsilon_1 = max(ledger.epsilon() for ledger in ledgers)
+            epsilon, _ = random_stopping_guarantee(epsilon_1, self.run_delta, self.stop_probability, self.delta_2)
+            eps_f_planned, delta_f = random_stopping_guarantee(
+                self.run_epsilon, self.run_delta, self.stop_probability, self.delta_2
+            )
+            single = compute_epsilon([(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)],
+                                     self.target_delta, self.accountant)
+            grid_noise = calibrate_noise_multiplier(
+                self.target_epsilon, self.target_delta, self.sample_rates, [self.steps_per_run] * len(self.candidates),
+                self.accountant,
+            )
+            details.update({
+                "draws": f"{len(order)} (stop probability gamma={self.stop_probability:.4g}, cap Upsilon="
+                         f"{math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))})",
+                "per-run budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
+                "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
+                "blow-up": f"one run at this noise spends epsilon={single:.4f} at delta={self.target_delta}; random "
+                           f"stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
+                "composition instead": f"the whole grid of {len(self.candidates)} runs would need noise multiplier "
+                                       f"{grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
+            })
+            if len(self.seeds) > 1 and not self.charge_seeds:
+                uncharged.append(f"the repeats over {len(self.seeds)} seeds (as in the OSO paper)")
+        if self.selection == "best":
+            uncharged.append(
+                "the choice of the winner from un-noised validation scores (as in the papers): it is not private "
+                "with respect to the validation set; selection='noisy' makes it so"
+            )
+        else:
+            details["noisy selection"] = (
+                f"report-noisy-max, epsilon={self.selection_epsilon} with respect to the validation set "
+                f"(score sensitivity {self.score_sensitivity:.4g}); the training guarantee above is unchanged"
+            )
+        return SearchResult(
+            accounting=self.accounting,
+            candidates=self.candidates,
+            seeds=self.seeds,
+            mode=self.mode,
+            mean_scores=means,
+            std_scores=stds,
+            winner_index=winner,
+            winner=self.candidates[winner],
+            noise_multiplier=self.noise_multiplier,
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            epsilon_spent=epsilon,
+            runs=records,
+            selection=self.selection,
+            selection_epsilon=self.selection_epsilon,
+            uncharged=uncharged,
+            details=details,
+        )
+
+
+def _fmt(candidate: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in candidate.items())
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm  # a dependency of lightning
+
+    return tqdm(total=total, desc="search runs", unit="run", disable=not enabled, dynamic_ncols=True)

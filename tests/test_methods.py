@@ -1,0 +1,268 @@
+"""The competing methods (spec sections 2-4) and OSO with momentum (section 1.8): their maths on tensors, their
+noise and sensitivity, and each trained end to end through the plugin."""
+
+import math
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from conftest import ToyModel, make_trainer, toy_loader
+from lightning_oso import (
+    OSODP,
+    DPAdamWOSM,
+    FixedQuantileClipping,
+    FixedQuantileDP,
+    FixedThresholdClipping,
+    FixedThresholdDP,
+    OSOClipping,
+    PrivacyConfigurationError,
+    compute_epsilon,
+)
+from lightning_oso import private_step
+from lightning_oso.clipping import quantile_gradient_noise_multiplier
+
+
+def _samples(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 3, 4, generator=g, dtype=torch.float64), torch.randn(n, 5, generator=g, dtype=torch.float64)]
+
+
+# ------------------------------------------------------------------ fixed threshold
+@pytest.mark.parametrize("clip", [0.3, 2.5, 100.0])
+def test_fixed_threshold_sum_matches_brute_force(clip):
+    samples = _samples()
+    rule = FixedThresholdClipping(noise_multiplier=1.0, clip=clip)
+    norms = private_step.per_sample_norms(samples)
+    sums = private_step.weighted_sums(samples, rule.weights(norms))
+    for p, s in enumerate(sums):
+        expected = torch.zeros_like(samples[p][0])
+        for i in range(7):
+            flat = torch.cat([samples[q][i].flatten() for q in range(2)])
+            expected += samples[p][i] * min(1.0, clip / flat.norm().item())
+        assert s.shape[0] == 1
+        torch.testing.assert_close(s[0], expected)
+    assert rule.noise_stds().tolist() == [pytest.approx(clip * 1.0)]
+    assert rule.update(sums) is None and rule.clip.item() == clip  # C is constant
+
+
+def test_fixed_threshold_noise_std():
+    rule = FixedThresholdClipping(noise_multiplier=1.7, clip=0.4)
+    zeros = [torch.zeros(3, 200_000, dtype=torch.float64)]
+    out = private_step.sanitise(zeros, rule.weights(torch.ones(3, dtype=torch.float64)), rule.noise_stds(), 8.0,
+                                torch.Generator().manual_seed(3))
+    n = out[0].numel()
+    assert out[0].std().item() == pytest.approx(0.4 * 1.7 / 8.0, rel=5 / math.sqrt(2 * n))
+
+
+# ------------------------------------------------------------------ fixed quantile
+def test_quantile_noise_split_costs_one_gaussian_mechanism():
+    for nu, sigma_b in [(1.0, 3.2), (2.5, 2.0), (0.7, 10.0)]:
+        nu_g = quantile_gradient_noise_multiplier(nu, sigma_b)
+        # the count has sensitivity 1/2, so its multiplier is 2 sigma_b; Proposition 1 composes the pair
+        assert nu_g**-2 + (2 * sigma_b) ** -2 == pytest.approx(nu**-2, rel=1e-12)
+        assert nu_g > nu
+    with pytest.raises(ValueError, match="count_noise_std"):
+        quantile_gradient_noise_multiplier(4.0, 2.0)  # nu = 2 sigma_b: the count alone spends everything
+
+
+def test_centred_count_and_its_sensitivity():
+    norms = torch.tensor([0.1, 0.5, 0.9, 2.0, 3.0], dtype=torch.float64)
+    counts = private_step.centred_unclipped_count(norms, torch.tensor(0.9, dtype=torch.float64))
+    assert counts.squeeze(1).tolist() == [0.5, 0.5, 0.5, -0.5, -0.5]  # b_i - 1/2, with ||g|| <= C unclipped
+    # add/remove one record: the sum moves by exactly 1/2 whatever the record
+    for extra in (0.0, 0.9, 50.0):
+        neighbour = torch.cat([norms, torch.tensor([extra], dtype=torch.float64)])
+        moved = private_step.centred_unclipped_count(neighbour, torch.tensor(0.9, dtype=torch.float64)).sum() - counts.sum()
+        assert abs(moved.item()) == 0.5
+
+
+def test_quantile_update_and_count_noise():
+    rule = FixedQuantileClipping(noise_multiplier=1.0, target_quantile=0.3, count_noise_std=2.0, initial_clip=1.0,
+                                 clip_lr=0.2)
+    # b~ = count/B + 1/2: 0.5 + 0.5 = 1.0 unclipped fraction: above gamma, so C shrinks by exp(-0.2 (1 - 0.3))
+    rule.update([], torch.tensor([0.5], dtype=torch.float64))
+    assert rule.clip.item() == pytest.approx(math.exp(-0.2 * 0.7))
+    rule.update([], torch.tensor([-0.5], dtype=torch.float64))  # nothing unclipped: C grows by exp(0.2 * 0.3)
+    assert rule.clip.item() == pytest.approx(math.exp(-0.2 * 0.7 + 0.2 * 0.3))
+    # count noise: std sigma_b / B around the true centred fraction
+    norms = torch.ones(10, dtype=torch.float64) * 5  # all clipped at C ~ 0.9
+    contributions = rule.scalar_queries(norms).expand(10, 100_000).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    released = private_step.sanitise_scalars(contributions, rule.scalar_noise_stds().expand(100_000), 10.0, gen)
+    assert released.mean().item() == pytest.approx(-0.5, abs=5 * 0.2 / math.sqrt(1e5))
+    assert released.std().item() == pytest.approx(2.0 / 10.0, rel=5 / math.sqrt(2e5))
+
+
+def test_quantile_clip_tracks_the_target_quantile():
+    """With little noise, C_t moves from far too small to the gamma-quantile of the per-sample norms."""
+    dp = FixedQuantileDP(target_epsilon=200.0, target_delta=1e-4, target_quantile=0.5, initial_clip=1e-3,
+                         clip_lr=0.2, log_nonprivate_diagnostics=True)
+    trainer = make_trainer([dp], max_epochs=20)
+    with pytest.warns(UserWarning, match="NOT covered"):
+        trainer.fit(ToyModel(lr=0.05), toy_loader(batch_size=40))
+    assert dp.clip > 30 * 1e-3
+    assert 0.2 < trainer.callback_metrics["nonprivate/clipped_fraction"].item() < 0.8
+    assert dp.gradient_noise_multiplier**-2 + (2 * dp.count_noise_std) ** -2 == pytest.approx(dp.noise_multiplier**-2)
+    assert dp.count_noise_std == pytest.approx(40 / 20)  # B / 20 by default
+    assert dp.epsilon <= 200.0
+
+
+def test_quantile_refuses_too_much_noise_for_the_count():
+    dp = FixedQuantileDP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=3.0)  # B=20: 2 sigma_b = 2
+    with pytest.raises(PrivacyConfigurationError, match="count_noise_std"):
+        make_trainer([dp], max_epochs=1).fit(ToyModel(), toy_loader())
+
+
+def test_quantile_resume_ends_where_the_uninterrupted_run_ends(tmp_path):
+    def run(max_epochs, ckpt_path=None, callbacks=()):
+        L.seed_everything(3, verbose=False)
+        model = ToyModel()
+        dp = FixedQuantileDP(target_epsilon=4.0, target_delta=1e-4, target_quantile=0.7, seed=2)
+        make_trainer([dp, *callbacks], max_epochs=max_epochs, enable_checkpointing=bool(callbacks)).fit(
+            model, toy_loader(), ckpt_path=ckpt_path)
+        return dp, model
+
+    full_dp, full_model = run(3, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")])
+    resumed_dp, resumed_model = run(3, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+    assert resumed_dp.steps == full_dp.steps == 30
+    assert resumed_dp.clip == full_dp.clip != 0.1
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------ DPAdam / DPAdamWOSM
+def test_fixed_threshold_with_adam_is_dpadam():
+    dp = FixedThresholdDP(target_epsilon=3.0, target_delta=1e-4, clip=1.0)
+    trainer = make_trainer([dp], max_epochs=2)
+    trainer.fit(ToyModel(optimizer="adam"), toy_loader())
+    assert isinstance(trainer.optimizers[0], torch.optim.Adam)
+    assert dp.steps == 20 and dp.clip == 1.0
+    assert dp.epsilon == pytest.approx(compute_epsilon([(dp.noise_multiplier, 0.1, 20)], 1e-4))
+    assert dp.gradient_noise_multiplier == dp.noise_multiplier  # one query: nu_g = nu
+
+
+def test_wosm_step_is_converged_adam_step_size_on_the_first_moment():
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = DPAdamWOSM([p], lr=0.01, beta=0.9, eps=1e-8, gradient_noise_std=0.5)
+    ess = 0.01 / (0.5 + 1e-8)
+    grads = [torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)]
+    m = torch.zeros(3, dtype=torch.float64)
+    expected = torch.zeros(3, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        p.grad = g.clone()
+        opt.step()
+        m = 0.9 * m + 0.1 * g
+        expected -= ess * m / (1 - 0.9**t)  # bias-corrected first moment from the first step on
+        torch.testing.assert_close(p.detach(), expected)
+
+
+def test_wosm_step_size_is_where_dpadam_converges():
+    """Theorem 3, checked against torch's Adam: fed pure noise of std s, Adam's per-coordinate step size
+    lr / (sqrt(v_hat) + eps) settles at lr / s, the step size DPAdamWOSM uses from the start."""
+    s, lr = 0.3, 1e-3
+    p = nn.Parameter(torch.zeros(20_000, dtype=torch.float64))
+    adam = torch.optim.Adam([p], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64) * s
+        adam.step()
+    state = adam.state[p]
+    v_hat = state["exp_avg_sq"] / (1 - 0.999 ** state["step"].item())
+    adam_ess = (lr / (v_hat.sqrt() + 1e-8)).mean().item()
+    wosm = DPAdamWOSM([nn.Parameter(torch.zeros(1))], lr=lr, gradient_noise_std=s)
+    assert wosm.effective_step_size(wosm.param_groups[0]) == pytest.approx(adam_ess, rel=0.02)
+
+
+def test_wosm_gets_its_noise_std_from_the_callback():
+    class WOSMModel(ToyModel):
+        def configure_optimizers(self):
+            return DPAdamWOSM(self.parameters(), lr=1e-2)
+
+    dp = FixedThresholdDP(target_epsilon=3.0, target_delta=1e-4, clip=2.0)
+    trainer = make_trainer([dp], max_epochs=1)
+    trainer.fit(WOSMModel(), toy_loader(batch_size=20))
+    std = trainer.optimizers[0].param_groups[0]["gradient_noise_std"]
+    assert std == pytest.approx(dp.noise_multiplier * 2.0 / 20.0)
+
+
+def test_wosm_without_noise_std_says_how_to_set_it():
+    opt = DPAdamWOSM([nn.Parameter(torch.zeros(2))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="FixedThresholdDP"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kwargs, name", [({"lr": 0}, "lr"), ({"beta": 1.0}, "beta"), ({"eps": -1}, "eps"),
+                                          ({"gradient_noise_std": 0}, "gradient_noise_std")])
+def test_wosm_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DPAdamWOSM([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_quantile_refuses_wosm():
+    class WOSMModel(ToyModel):
+        def configure_optimizers(self):
+            return DPAdamWOSM(self.parameters())
+
+    with pytest.raises(PrivacyConfigurationError, match="constant clipping threshold"):
+        make_trainer([FixedQuantileDP(target_epsilon=3.0, target_delta=1e-4)]).fit(WOSMModel(), toy_loader())
+
+
+@pytest.mark.parametrize("factory, name", [
+    (lambda: FixedThresholdDP(target_epsilon=1.0), "clip"),
+    (lambda: FixedThresholdDP(target_epsilon=1.0, clip=-1.0), "clip"),
+    (lambda: FixedQuantileDP(target_epsilon=1.0, target_quantile=1.0), "target_quantile"),
+    (lambda: FixedQuantileDP(target_epsilon=1.0, count_noise_std=0.0), "count_noise_std"),
+    (lambda: FixedQuantileDP(target_epsilon=1.0, clip_lr=-0.1), "clip_lr"),
+])
+def test_method_arguments_are_checked(factory, name):
+    with pytest.raises(PrivacyConfigurationError, match=name):
+        factory()
+
+
+# ------------------------------------------------------------------ OSO with momentum
+def test_oso_with_momentum_replays_from_sanitised_values():
+    """Spec 1.8: under SGD momentum the OSO sign rules are unchanged. Recording the sanitised queries of every step,
+    an independent replay (eqs. 20-21 for C_t and rho_t; SGD momentum on g~_t with lr rho_t) gives exactly the
+    trained parameters and the final C_t."""
+    momentum, lr0 = 0.9, 0.5
+    model = ToyModel(lr=lr0, momentum=momentum)
+    start = [p.detach().clone() for p in model.parameters()]
+    dp = OSODP(target_epsilon=4.0, target_delta=1e-4, clip_lr=0.05, lr_lr=0.05)
+    recorded = []
+    original = OSOClipping.update
+
+    def spy(rule, sanitised, scalars=None):
+        recorded.append([s.detach().clone() for s in sanitised])
+        return original(rule, sanitised, scalars)
+
+    OSOClipping.update = spy
+    try:
+        make_trainer([dp], max_epochs=2).fit(model, toy_loader())
+    finally:
+        OSOClipping.update = original
+
+    def dot(a, b):
+        return sum((x * y).sum() for x, y in zip(a, b)).item()
+
+    params = [p.clone() for p in start]
+    buffers = None
+    clip, lr = 0.1, lr0
+    prev_g = prev_q = None
+    for step in recorded:
+        g = [s[0] for s in step]
+        q = [s[1] for s in step]
+        buffers = [gi.clone() for gi in g] if buffers is None else [momentum * b + gi for b, gi in zip(buffers, g)]
+        params = [p - lr * b for p, b in zip(params, buffers)]
+        if prev_g is not None:
+            clip *= math.exp(0.05 * math.copysign(1, dot(g, prev_q)))
+            lr *= math.exp(0.05 * math.copysign(1, dot(g, prev_g)))
+        prev_g, prev_q = g, q
+    assert len(recorded) == 20
+    assert dp.clip == pytest.approx(clip, rel=1e-9)
+    assert float(model.optimizers().param_groups[0]["lr"]) == pytest.approx(lr, rel=1e-9)
+    for p, expected in zip(model.parameters(), params):
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
