@@ -104,6 +104,7 @@ class RunRecord:
     seed: int
     score: float
     steps: int
+    metrics: dict = field(default_factory=dict)  # whatever else train_fn returned (e.g. a test score)
 
 
 @dataclass
@@ -164,14 +165,15 @@ class HonestGridSearch:
 
     The user supplies ``train_fn(candidate, seed, dp) -> score``: it builds the model and a Trainer, passes
     ``**dp`` to its DP callback (``OSODP``, ``FixedThresholdDP``, ``FixedQuantileDP``), trains at most
-    ``steps_per_run`` steps and returns the validation score. ``dp`` holds ``target_epsilon``, ``target_delta``,
+    ``steps_per_run`` steps and returns the validation score (or a dict with key ``"score"`` and any other metrics,
+    kept per run in ``SearchResult.runs``). ``dp`` holds ``target_epsilon``, ``target_delta``,
     ``noise_multiplier`` and ``accountant`` (the search's ledger): with it the callback stops any run that would
     overspend the search's budget. The search checks after every run that the ledger advanced (so the dp arguments
     were used) by at most ``steps_per_run`` steps.
 
     Args:
         candidates: the candidate hyperparameters (dicts; see :func:`grid` and :func:`log_grid`).
-        train_fn: ``(candidate, seed, dp) -> float``; one Lightning run.
+        train_fn: ``(candidate, seed, dp) -> float | dict``; one Lightning run.
         target_epsilon: the budget of the **whole search**.
         target_delta: its delta.
         sample_rate: ``q`` of every run (``batch_size / N``), or a function of the candidate.
@@ -353,10 +355,12 @@ class HonestGridSearch:
                     ledger = draw_ledger if self.charge_seeds else self._new_ledger()
                 before = ledger.steps
                 candidate = dict(self.candidates[index])
-                score = float(self.train_fn(candidate, seed, self._dp_arguments(ledger)))
+                returned = self.train_fn(candidate, seed, self._dp_arguments(ledger))
+                metrics = dict(returned) if isinstance(returned, Mapping) else {"score": returned}
+                score = float(metrics.pop("score"))
                 taken = ledger.steps - before
                 self._check_run(candidate, taken)
-                records.append(RunRecord(candidate, seed, score, taken))
+                records.append(RunRecord(candidate, seed, score, taken, metrics))
                 scores.setdefault(index, []).append(score)
                 used.append(ledger)
                 bar.update(1)

@@ -1,11 +1,16 @@
-"""The main demo runs end to end at its smallest setting and writes what the README promises."""
+"""The examples run end to end at their smallest settings and write what the README promises."""
 
+import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import compare_methods  # noqa: E402
 import digits_oso  # noqa: E402
+from lightning_oso import compute_epsilon  # noqa: E402
 
 
 def test_digits_demo_smallest_setting(tmp_path):
@@ -16,3 +21,28 @@ def test_digits_demo_smallest_setting(tmp_path):
     assert 0.0 <= result["test_accuracy"] <= 1.0
     assert plot.stat().st_size > 10_000
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_comparison_smallest_setting(tmp_path):
+    """Every method and the baseline on both default tasks, one epoch, one seed, k=2: tables, JSON and plots
+    written, and every grid within its per-grid budget as a direct composition of all its runs."""
+    summaries = compare_methods.main(["--quick", "--k", "2", "--seeds", "1", "--epochs", "1", "--gammas", "0.5",
+                                      "--epsilons", "3", "--out", str(tmp_path)])
+    for task in ("digits", "digits-ae"):
+        table = (tmp_path / f"{task}_k2.md").read_text()
+        for method in ("Online", "FixedThreshold", "FixedQuantile", "DPAdamWOSM", "NoDP"):
+            assert method in table
+        assert (tmp_path / f"{task}_k2.png").stat().st_size > 10_000
+        saved = json.loads((tmp_path / f"{task}_k2.json").read_text())
+        assert saved == json.loads(json.dumps(summaries[task], default=float))
+        by_method = {r["method"]: r for r in saved["results"]}
+        assert set(by_method) == {"Online", "FixedThreshold", "FixedQuantile", "DPAdamWOSM", "NoDP"}
+        steps = 1 * 20  # one epoch of ceil(1257 / 64) batches
+        for method, candidates in (("Online", 2), ("FixedThreshold", 4), ("FixedQuantile", 2), ("DPAdamWOSM", 2)):
+            result = by_method[method]
+            assert result["candidates"] == candidates and len(result["runs"]) == candidates
+            direct = compute_epsilon([(result["noise_multiplier"], 64 / 1257, candidates * steps)], 1e-5)
+            assert result["epsilon_spent"] == pytest.approx(direct, rel=1e-9)
+            assert direct <= 3.0
+        # more candidates, more noise per run: the grid's budget is shared
+        assert by_method["FixedThreshold"]["noise_multiplier"] > by_method["Online"]["noise_multiplier"]
