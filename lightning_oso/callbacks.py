@@ -83,6 +83,8 @@ class DPCallback(Callback):
 
     #: The method's name in messages.
     method = "DP"
+    #: Whether the method changes the optimizer's learning rate itself (then a user's lr scheduler interferes).
+    adapts_learning_rate = False
 
     def __init__(
         self,
@@ -215,7 +217,7 @@ class DPCallback(Callback):
         validate_model(pl_module)
         validate_optimization(pl_module, trainer.optimizers)
         self.check_optimizer(trainer.optimizers[0])
-        if trainer.lr_scheduler_configs and isinstance(self, OSODP):
+        if trainer.lr_scheduler_configs and self.adapts_learning_rate:
             rank_zero_warn(
                 "OSODP adapts the learning rate online (rho_t, applied multiplicatively to each parameter group's "
                 "lr); your lr scheduler changes it too. Chainable schedulers compose multiplicatively; schedulers "
@@ -273,7 +275,7 @@ class DPCallback(Callback):
         multipliers = ", ".join(f"{name}={value:.4f}" for name, value in self.rule.noise_multipliers().items())
         rank_zero_info(
             f"{type(self).__name__}: N={num_samples}, q={q:.4g} (expected batch {strategy.expected_batch_size:.1f}), "
-            f"{multipliers}; budget epsilon={self.target_epsilon} at delta={self.target_delta} allows {allowed} "
+            f"{multipliers}; budget epsilon={self.target_epsilon:.4g} at delta={self.target_delta:.3g} allows {allowed} "
             "steps" + (f" after the {taken} in the accountant's history" if taken else "")
         )
 
@@ -424,6 +426,7 @@ class OSODP(DPCallback):
     """
 
     method = "OSO"
+    adapts_learning_rate = True
 
     def __init__(
         self,
