@@ -107,6 +107,9 @@ def test_quantile_clip_tracks_the_target_quantile():
     assert 0.2 < trainer.callback_metrics["nonprivate/clipped_fraction"].item() < 0.8
     assert dp.gradient_noise_multiplier**-2 + (2 * dp.count_noise_std) ** -2 == pytest.approx(dp.noise_multiplier**-2)
     assert dp.count_noise_std == pytest.approx(40 / 20)  # B / 20 by default
+    # the pair of queries is accounted as one subsampled Gaussian mechanism with multiplier nu per step
+    assert dp.steps == 100
+    assert dp.epsilon == pytest.approx(compute_epsilon([(dp.noise_multiplier, 0.2, 100)], 1e-4))
     assert dp.epsilon <= 200.0
 
 
