@@ -11,6 +11,7 @@ from lightning_oso.callbacks import OSODP, DPCallback, FixedQuantileDP, FixedThr
 from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.optim import DPAdamWOSM
+from lightning_oso.search import HonestGridSearch, SearchResult
 from lightning_oso.strategy import DPStrategy
 from lightning_oso.validation import PrivacyConfigurationError
 
@@ -24,10 +25,12 @@ __all__ = [
     "FixedQuantileDP",
     "FixedThresholdClipping",
     "FixedThresholdDP",
+    "HonestGridSearch",
     "OSOClipping",
     "PoissonBatchSampler",
     "PrivacyAccountant",
     "PrivacyConfigurationError",
+    "SearchResult",
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "max_steps_within_budget",
