@@ -335,6 +335,8 @@ class DPCallback(Callback):
         pl_module.log("dp/clip", self.rule.clip.float(), on_step=True, on_epoch=False, batch_size=1)
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)
+        for name, value in self.rule.step_metrics().items():
+            pl_module.log(f"dp/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)
         if trainer._logger_connector.should_update_logs or self.accountant.steps >= self.max_steps:
             # epsilon costs an accountant evaluation: computed when a logger will record it
             pl_module.log("dp/epsilon", self.epsilon, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)

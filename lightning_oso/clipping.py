@@ -77,6 +77,10 @@ class ClippingRule:
         """Post-processing after the parameter update; returns a learning-rate factor or ``None`` (no change)."""
         return None
 
+    def step_metrics(self) -> dict[str, Tensor]:
+        """Sanitised per-step values worth logging (as ``dp/<name>``), beyond ``C_t`` and the learning rate."""
+        return {}
+
     # --- resume
     def state_dict(self) -> dict:
         state = {key: getattr(self, key) for key in self._mechanism_keys}
@@ -138,6 +142,7 @@ class FixedQuantileClipping(ClippingRule):
         self.count_noise_std = float(count_noise_std)
         self.clip_lr = float(clip_lr)
         self.gradient_noise_multiplier = quantile_gradient_noise_multiplier(noise_multiplier, count_noise_std)
+        self.unclipped_fraction: Tensor | None = None  # b~_t of the last step
 
     def noise_multipliers(self) -> dict[str, float]:
         return {**super().noise_multipliers(), "count_noise_multiplier": 2 * self.count_noise_std}
@@ -151,7 +156,12 @@ class FixedQuantileClipping(ClippingRule):
     def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> None:
         unclipped_fraction = scalars[self.COUNT].to(torch.float64) + 0.5  # b~_t (the 1/2 un-centres the count)
         self.clip = self.clip * torch.exp(-self.clip_lr * (unclipped_fraction - self.target_quantile))
+        self.unclipped_fraction = unclipped_fraction
         return None
+
+    def step_metrics(self) -> dict[str, Tensor]:
+        """``b~_t``, the noisy fraction of unclipped samples (sanitised: free to log)."""
+        return {} if self.unclipped_fraction is None else {"unclipped_fraction": self.unclipped_fraction}
 
 
 def quantile_gradient_noise_multiplier(noise_multiplier: float, count_noise_std: float) -> float:

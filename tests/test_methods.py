@@ -104,6 +104,7 @@ def test_quantile_clip_tracks_the_target_quantile():
     with pytest.warns(UserWarning, match="NOT covered"):
         trainer.fit(ToyModel(lr=0.05), toy_loader(batch_size=40))
     assert dp.clip > 30 * 1e-3
+    assert 0.0 < trainer.callback_metrics["dp/unclipped_fraction"].item() < 1.0  # b~_t, sanitised, logged
     assert 0.2 < trainer.callback_metrics["nonprivate/clipped_fraction"].item() < 0.8
     assert dp.gradient_noise_multiplier**-2 + (2 * dp.count_noise_std) ** -2 == pytest.approx(dp.noise_multiplier**-2)
     assert dp.count_noise_std == pytest.approx(40 / 20)  # B / 20 by default
