@@ -1,4 +1,5 @@
-"""Step time of an OSO step against a non-private step on the demo model (digits CNN), same data and batch size.
+"""Step time of an OSO step and a fixed-clip DP-SGD step against a non-private step on the demo model (digits CNN),
+same data and batch size.
 
 Both variants train through Lightning; a callback times each optimizer step (forward, backward, private step and
 update). Runs alternate between the variants so machine noise hits both alike; the figure is the ratio of medians.
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from digits_oso import DigitsCNN, DigitsDataModule  # noqa: E402
 
-from lightning_oso import OSODP  # noqa: E402
+from lightning_oso import OSODP, FixedThresholdDP  # noqa: E402
 
 
 class StepTimer(L.Callback):
@@ -44,6 +45,8 @@ def run(variant: str, epochs: int, batch_size: int) -> list[float]:
     if variant == "oso":
         # fixed noise multiplier: no calibration in the timed region; the budget is large enough not to stop
         callbacks.append(OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0))
+    elif variant == "fixed_clip":
+        callbacks.append(FixedThresholdDP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0, clip=1.0))
     trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0)
@@ -59,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/step_time.json")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    times: dict[str, list[float]] = {"non_private": [], "oso": []}
+    times: dict[str, list[float]] = {"non_private": [], "fixed_clip": [], "oso": []}
     for _ in range(args.repeats):
         for variant in times:
             times[variant] += run(variant, args.epochs, args.batch_size)
@@ -71,6 +74,8 @@ def main() -> None:
         "median_step_ms": {k: 1e3 * v for k, v in medians.items()},
         "steps_timed": {k: len(v) for k, v in times.items()},
         "ratio_oso_to_non_private": medians["oso"] / medians["non_private"],
+        "ratio_fixed_clip_to_non_private": medians["fixed_clip"] / medians["non_private"],
+        "ratio_oso_to_fixed_clip": medians["oso"] / medians["fixed_clip"],
     }
     print(f"{'variant':<14}{'median step (ms)':>18}{'ratio':>8}")
     for k in times:
