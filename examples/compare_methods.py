@@ -225,9 +225,8 @@ def train_once(task: Task, data, batch_size: int, epochs: int, lr: float, seed: 
         callbacks=[best] + ([callback] if callback is not None else []),
     )
     trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=512))
-    worst = -math.inf if task.mode == "max" else math.inf
-    if best.state is None:  # diverged from the start: every validation was NaN
-        return {"score": worst if task.mode == "max" else math.nan, "test": math.nan, "best_step": None}
+    if best.state is None:  # diverged from the start: every validation was NaN (a NaN score never wins)
+        return {"score": math.nan, "test": math.nan, "best_step": None}
     model.load_state_dict(best.state)
     return {"score": best.best, "test": evaluate(model, test), "best_step": best.step}
 

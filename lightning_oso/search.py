@@ -338,21 +338,18 @@ class HonestGridSearch:
         records: list[RunRecord] = []
         scores: dict[int, list[float]] = {}
         # Composition: one ledger per seed, each seed's pass over the grid being one full composition (seeds not
-        # charged), or one ledger for all (charge_seeds). Random stopping: one ledger per draw (all its seeds if
-        # charged) or per run, each held to (eps_1, delta_1).
-        if self.charge_seeds:
-            shared = self._new_ledger()
-            per_seed = {seed: shared for seed in self.seeds}
-        else:
-            per_seed = {seed: self._new_ledger() for seed in self.seeds}
+        # charged), or one ledger for all (charge_seeds). Random stopping: a fresh ledger per run, held to
+        # (eps_1, delta_1), or per draw (all its seeds) with charge_seeds.
+        shared = self._new_ledger()
+        per_seed = {seed: shared if self.charge_seeds else self._new_ledger() for seed in self.seeds}
         used: list[PrivacyAccountant] = []
         for index in order:
-            draw_ledger = self._new_ledger()
+            draw_ledger = self._new_ledger() if self.charge_seeds else None
             for seed in self.seeds:
                 if self.accounting == "composition":
                     ledger = per_seed[seed]
                 else:
-                    ledger = draw_ledger if self.charge_seeds else self._new_ledger()
+                    ledger = draw_ledger or self._new_ledger()
                 before = ledger.steps
                 candidate = dict(self.candidates[index])
                 returned = self.train_fn(candidate, seed, self._dp_arguments(ledger))
