@@ -92,34 +92,159 @@ def rdp_epsilon(history: Iterable[Segment], delta: float) -> float:
     return float(np.nanmin(eps)) if not np.isnan(eps).all() else math.inf
 
 
-# ----------------------------------------------------------------------------------------------------- PRV
-@functools.lru_cache(maxsize=4096)
-def _prv_epsilon_cached(history: tuple[Segment, ...], delta: float, eps_error: float) -> float:
-    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
-
-    prvs = [PoissonSubsampledGaussianMechanism(sampling_probability=rate, noise_multiplier=noise) for noise, rate, _ in history]
-    steps = [s for _, _, s in history]
-    with np.errstate(over="raise", divide="raise", invalid="raise"):
-        accountant = PRVAccountant(prvs=prvs, max_self_compositions=steps, eps_error=eps_error, delta_error=delta / 1000)
-        _, _, eps_upper = accountant.compute_epsilon(delta=delta, num_self_compositions=steps)
-    if not math.isfinite(eps_upper):
-        raise AccountingError(f"the PRV accountant returned a non-finite epsilon ({eps_upper})")
-    return float(eps_upper)
+#: Integer Rényi orders of the fast RDP bound: the closed form needs no series, so all orders cost ~1 ms together.
+_INTEGER_ORDERS = np.arange(2, 257)
 
 
-def prv_epsilon(history: Iterable[Segment], delta: float, eps_error: float = PRV_EPS_ERROR) -> float:
-    """Epsilon by the PRV accountant (Gopi et al. 2021, the ``prv-accountant`` package): its upper bound.
+def _integer_order_rdp(noise: float, rate: float) -> np.ndarray:
+    """RDP of one Poisson-subsampled Gaussian step at ``_INTEGER_ORDERS``, in closed form (Mironov, Talwar and Zhang
+    2019, eq. (3)): ``log(sum_k C(a, k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 nu^2))) / (a - 1)``."""
+    from scipy.special import gammaln, logsumexp
 
-    Raises :class:`AccountingError` where the package fails; it is known to fail at high epsilon ("Discrete mean
-    differs from continuous mean significantly", microsoft/prv_accountant#36 and #42, fixed upstream after 0.2.0).
-    """
+    a = _INTEGER_ORDERS[:, None].astype(float)
+    k = np.arange(_INTEGER_ORDERS[-1] + 1)[None, :].astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_terms = (
+            gammaln(a + 1) - gammaln(k + 1) - gammaln(np.maximum(a - k, 0) + 1)
+            + (a - k) * (np.log1p(-rate) if rate < 1 else -np.inf) + k * math.log(rate)
+            + (k * k - k) / (2 * noise**2)
+        )
+        log_terms = np.where(k <= a, np.nan_to_num(log_terms, nan=-np.inf), -np.inf)
+    return logsumexp(log_terms, axis=1) / (a[:, 0] - 1)
+
+
+def _fast_rdp_epsilon(history: Iterable[Segment], delta: float) -> float:
+    """An RDP upper bound on epsilon from integer orders only: a little looser than :func:`rdp_epsilon` where the
+    best order is fractional, and ~100x cheaper. For brackets and safe domain sizes, where any valid bound will do."""
     history = _normalise(history)
     if not history:
         return 0.0
+    orders = _INTEGER_ORDERS.astype(float)
+    rdp = sum(steps * _integer_order_rdp(noise, rate) for noise, rate, steps in history)
+    eps = rdp - (math.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders)
+    return float(np.nanmin(eps)) if not np.isnan(eps).all() else math.inf
+
+
+# ----------------------------------------------------------------------------------------------------- PRV
+#: Largest PRV grid (points) evaluated: ~0.5 GB of work arrays; 1e5 steps need about 3.5e6. Longer histories are
+#: bounded by RDP (with a warning).
+PRV_MAX_GRID = 2**24
+
+#: Maximum error in epsilon of a coarse PRV evaluation: calibration searches with it (its *estimate* is accurate to
+#: about 1e-4, far better than its bound), then checks the answer at ``PRV_EPS_ERROR``.
+PRV_SEARCH_EPS_ERROR = 0.1
+
+
+def _fast_fft_domain(half_width: float, mesh: float):
+    """Opacus' aligned domain ``[-k dt, (k+1) dt]`` for ``k >= half_width / mesh``, widened so that its size is a
+    fast FFT length (a product of small primes).
+
+    The PRV method (Gopi et al. 2021) composes by FFT over this grid. The safe width of Remark 5.6 gives sizes like
+    2 * 3 * 107 * 5393, on which an FFT is ~10x slower; a wider domain only truncates less, so the bound holds.
+    """
+    from opacus.accountants.analysis.prv import Domain
+    from scipy.fft import next_fast_len
+
+    size = next_fast_len(2 * math.ceil(half_width / mesh) + 2, real=True)
+    while size % 2:  # the Fourier composer needs an even size
+        size = next_fast_len(size + 1, real=True)
+    k = size // 2 - 1
+    return Domain(t_min=-k * mesh, t_max=(k + 1) * mesh, size=size)
+
+
+def _safe_domain_size(history: tuple[Segment, ...], eps_error: float, delta_error: float) -> float:
+    """Half-width ``L`` of the discretisation domain (Gopi et al. 2021, Remark 5.6), as Opacus'
+    ``compute_safe_domain_size`` computes it, with its RDP bounds from integer orders (any valid bound is safe, and
+    Opacus' fractional orders cost ~0.3 s a call at large sampling rates)."""
+    total = sum(s for *_, s in history)
+    half_width = _fast_rdp_epsilon(history, delta_error / 4)
+    for noise, rate, _ in history:
+        half_width = max(half_width, _fast_rdp_epsilon([(noise, rate, 1)], delta_error / (8 * total)))
+    return max(half_width, eps_error) + 3
+
+
+def _discretise(prv, domain):
+    """Opacus' cell-centred discretisation (``opacus.accountants.analysis.prv.discretize``), with the CDF evaluated
+    once on the cell edges instead of twice, and the same mean correction (Gopi et al. 2021, Section 5.1)."""
+    from opacus.accountants.analysis.prv import DiscretePRV
+
+    centres = domain.ts
+    edges = np.append(centres - domain.dt / 2, centres[-1] + domain.dt / 2)
+    pmf = np.diff(prv.cdf(edges))
+    mean_shift = prv.mean() - np.dot(centres, pmf)
+    if abs(mean_shift) >= domain.dt / 2:
+        raise RuntimeError("Discrete mean differs significantly from continuous mean.")
+    return DiscretePRV(pmf=pmf, domain=domain.shift_right(mean_shift))
+
+
+def _subsampled_gaussian_prv(noise: float, rate: float):
+    """Opacus' PRV of the Poisson-subsampled Gaussian (Gopi et al. 2021, Proposition B4) with its CDF evaluated on
+    the support only: the same formula, half the work on the millions of grid points of a long run."""
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+    from scipy.special import erfc
+
+    class _PRV(PoissonSubsampledGaussianPRV):
+        def cdf(self, t):
+            q, sigma = self.sample_rate, self.noise_multiplier
+            t = np.asarray(t, dtype=float)
+            out = np.zeros_like(t)
+            support = t > math.log1p(-q)
+            z = np.log((np.expm1(t[support]) + q) / q)
+            scale = 2 * math.sqrt(2) * sigma
+            out[support] = (
+                1.0
+                - q * erfc((2 * z * sigma**2 - 1) / scale) / 2
+                - (1 - q) * erfc((2 * z * sigma**2 + 1) / scale) / 2
+            )
+            return out
+
+    return _PRV(rate, noise)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prv_bounds_cached(history: tuple[Segment, ...], delta: float, eps_error: float) -> tuple[float, float]:
+    """``(estimate, upper bound)`` of epsilon by the PRV method on Opacus' primitives (public in
+    ``opacus.accountants.analysis.prv``): the safe domain of Remark 5.6, the mesh of Theorem 5.5, FFT composition."""
+    from opacus.accountants.analysis.prv import TruncatedPrivacyRandomVariable, compose_heterogeneous
+
+    delta_error = delta / 1000
+    prvs = [_subsampled_gaussian_prv(noise, rate) for noise, rate, _ in history]
+    steps = [s for *_, s in history]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+        half_width = _safe_domain_size(history, eps_error, delta_error)
+        mesh = eps_error / math.sqrt(sum(steps) * math.log(12 / delta_error) / 2)  # Theorem 5.5
+        domain = _fast_fft_domain(half_width, mesh)
+        if domain.size > PRV_MAX_GRID:
+            raise AccountingError(
+                f"the PRV grid for {sum(steps)} steps would have {domain.size:.3g} points (more than {PRV_MAX_GRID})"
+            )
+        truncated = [TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max) for prv in prvs]
+        composed = compose_heterogeneous([_discretise(t, domain) for t in truncated], steps)
+        _, estimate, upper = composed.compute_epsilon(delta, delta_error, eps_error)
+    if not (math.isfinite(upper) and math.isfinite(estimate)):
+        raise AccountingError(f"the PRV accountant returned a non-finite epsilon ({upper})")
+    return float(estimate), float(upper)
+
+
+def _prv_bounds(history: Iterable[Segment], delta: float, eps_error: float) -> tuple[float, float]:
+    history = _normalise(history)
+    if not history:
+        return 0.0, 0.0
     try:
-        return _prv_epsilon_cached(history, float(delta), float(eps_error))
+        return _prv_bounds_cached(history, float(delta), float(eps_error))
     except (RuntimeError, FloatingPointError, ValueError, OverflowError) as err:
         raise AccountingError(f"the PRV accountant failed: {err}") from err
+
+
+def prv_epsilon(history: Iterable[Segment], delta: float, eps_error: float = PRV_EPS_ERROR) -> float:
+    """Epsilon by the PRV accountant (Gopi et al. 2021): its upper bound, estimate + ``eps_error``.
+
+    Built on Opacus' implementation of the method (``opacus.accountants.analysis.prv``) with an FFT-friendly grid,
+    which makes one evaluation 3-10x faster (about 0.5 s for 1e5 steps); the tests cross-check it against the
+    independent ``prv-accountant`` package. Raises :class:`AccountingError` where the method fails (at high
+    epsilon: "Discrete mean differs significantly from continuous mean").
+    """
+    return _prv_bounds(history, delta, eps_error)[1]
 
 
 def compute_epsilon(history: Iterable[Segment], delta: float, accountant: str = "prv") -> float:
@@ -165,7 +290,9 @@ def calibrate_noise_multiplier(
     front: mechanisms already run on the same data, whose cost the budget must also cover.
 
     RDP brackets the answer cheaply: its epsilon bounds the PRV one from above, so the RDP-calibrated multiplier
-    already meets the target and the tighter accountant only has to search below it.
+    already meets the target and the tighter accountant only has to search below it. The PRV search runs on cheap
+    coarse evaluations and the answer is then checked with the bound that :func:`compute_epsilon` reports, so the
+    returned multiplier always meets the target; the whole calibration takes well under a second for 1e4 steps.
     """
     _check_budget(target_epsilon, target_delta)
     rates = [sample_rate] if isinstance(sample_rate, (int, float)) else list(sample_rate)
@@ -180,11 +307,14 @@ def calibrate_noise_multiplier(
     prior = list(prior_history)
 
     def eps(noise: float, kind: str) -> float:
-        return compute_epsilon(prior + [(noise, rate, count) for rate, count in zip(rates, counts)], target_delta, kind)
+        history = prior + [(noise, rate, count) for rate, count in zip(rates, counts)]
+        if kind == "bracket":
+            return _fast_rdp_epsilon(history, target_delta)
+        return compute_epsilon(history, target_delta, kind)
 
-    def bisect(lo: float, hi: float, kind: str) -> float:
+    def bisect(lo: float, hi: float, kind: str, tolerance: float = rtol) -> float:
         # invariant: eps(hi) <= target < eps(lo)
-        while hi - lo > rtol * hi:
+        while hi - lo > tolerance * hi:
             mid = 0.5 * (lo + hi)
             if eps(mid, kind) <= target_epsilon:
                 hi = mid
@@ -193,7 +323,7 @@ def calibrate_noise_multiplier(
         return hi
 
     hi = 1.0
-    while eps(hi, "rdp") > target_epsilon:
+    while eps(hi, "bracket") > target_epsilon:
         hi *= 2
         if hi > 1e6:
             raise ValueError(
@@ -203,15 +333,74 @@ def calibrate_noise_multiplier(
                 + "; raise target_epsilon or target_delta"
             )
     lo = hi / 2
-    while lo > 1e-3 and eps(lo, "rdp") <= target_epsilon:
+    while lo > 1e-3 and eps(lo, "bracket") <= target_epsilon:
         hi, lo = lo, lo / 2
-    hi = bisect(lo, hi, "rdp")
+    # the bracket's integer-order RDP bounds the full RDP from above, so eps(hi, "rdp") <= target as well
     if accountant == "rdp":
-        return hi
-    lo = hi / 2
-    while lo > 1e-3 and eps(lo, accountant) <= target_epsilon:
-        hi, lo = lo, lo / 2
-    return bisect(lo, hi, accountant)
+        return bisect(lo, hi, "rdp")
+    # a 2% bracket is all the PRV search needs
+    nu_rdp = bisect(lo, hi, "bracket", tolerance=0.02)
+
+    def history(noise: float) -> list[Segment]:
+        return prior + [(noise, rate, count) for rate, count in zip(rates, counts)]
+
+    try:
+        nu = _search_prv_estimate(history, target_epsilon, target_delta, nu_rdp, rtol)
+    except AccountingError:
+        # the PRV method fails here (high epsilon): compute_epsilon reports RDP, so calibrate RDP tightly
+        return bisect(nu_rdp * 0.97, nu_rdp, "rdp") if eps(nu_rdp * 0.97, "rdp") > target_epsilon else nu_rdp
+    # the check that counts: the bound compute_epsilon reports. The coarse estimate errs by ~1e-4, so a nudge or
+    # two at most.
+    while nu < nu_rdp and eps(nu, accountant) > target_epsilon:
+        nu *= 1 + rtol / 2
+    return min(nu, nu_rdp)
+
+
+def _search_prv_estimate(history, target_epsilon: float, delta: float, nu_rdp: float, rtol: float) -> float:
+    """The multiplier whose coarse PRV *estimate* is ``target_epsilon - PRV_EPS_ERROR`` (where the reported upper
+    bound, estimate + ``PRV_EPS_ERROR``, meets the target), by the Illinois variant of regula falsi on
+    ``log eps(log nu)``, bracketed above by the RDP answer (RDP bounds PRV from above). A coarse evaluation costs
+    ~0.1 s even at 1e5 steps, and the estimate is accurate to ~1e-4 although its bound is loose
+    (``PRV_SEARCH_EPS_ERROR``); half a dozen of them replace the ~20 fine evaluations of a bisection."""
+    goal = target_epsilon - PRV_EPS_ERROR
+    if goal <= 0:
+        return nu_rdp
+    search_error = min(PRV_SEARCH_EPS_ERROR, 0.1 * target_epsilon)
+
+    def f(noise: float) -> float:  # decreasing in noise; root where the estimate meets the goal
+        return math.log(_prv_bounds(history(noise), delta, search_error)[0]) - math.log(goal)
+
+    b, fb = nu_rdp, f(nu_rdp)  # f(b) <= 0 side
+    if fb > 0:
+        return nu_rdp  # RDP is the tighter bound here
+    a = b
+    while True:  # f(a) > 0 side
+        a *= 0.8
+        if a < 1e-3:
+            return b
+        fa = f(a)
+        if fa > 0:
+            break
+        b, fb = a, fa
+    side = 0
+    for _ in range(60):
+        if b - a <= 0.25 * rtol * b or fb > -0.25 * rtol:
+            break
+        la, lb = math.log(a), math.log(b)
+        c = math.exp(lb - fb * (lb - la) / (fb - fa))
+        c = min(max(c, a * (1 + 1e-12)), b * (1 - 1e-12))
+        fc = f(c)
+        if fc > 0:
+            a, fa = c, fc
+            if side == -1:
+                fb /= 2  # Illinois: keep the stale end from stalling the interpolation
+            side = -1
+        else:
+            b, fb = c, fc
+            if side == 1:
+                fa /= 2
+            side = 1
+    return b
 
 
 def max_steps_within_budget(
@@ -231,7 +420,12 @@ def max_steps_within_budget(
         history = list(prior_history) + [(noise_multiplier, sample_rate, t)]
         return compute_epsilon(history, target_delta, accountant) <= target_epsilon
 
-    if fits(limit):  # the common case: the planned run fits the budget (one evaluation)
+    rdp_history = list(prior_history) + [(noise_multiplier, sample_rate, limit)]
+    if _fast_rdp_epsilon(rdp_history, target_delta) <= target_epsilon:  # RDP bounds PRV: no PRV grid of `limit` steps
+        return limit
+    # the common case: the planned run fits the budget (one evaluation). Not for an unbounded run's huge limit,
+    # whose grid would exceed PRV_MAX_GRID: the doubling search below never looks much past the answer.
+    if limit <= 1_000_000 and fits(limit):
         return limit
     if not fits(0):
         return 0
