@@ -28,7 +28,7 @@ from lightning_oso.accounting import (
 )
 from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
 from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.strategy import DPStrategy
+from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy
 from lightning_oso.validation import (
     PrivacyConfigurationError,
     check_budget_arguments,
@@ -51,7 +51,12 @@ _SHARED_ARGS_DOC = """target_epsilon: the privacy budget epsilon; training never
             ``lightning.seed_everything`` makes a run reproducible.
         log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``, ``nonprivate/grad_norm_median``,
             ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are computed from raw per-sample
-            gradients and are **not** differentially private; off by default."""
+            gradients and are **not** differentially private; off by default.
+        grad_sample_mode: how the per-sample gradient norms and sums are computed. ``"book_keeping"`` (default):
+            ghost norms and book-keeping sums from each layer's input and output gradient, per-sample gradients
+            instantiated only where that is cheaper (fast, little memory; see ``lightning_oso.book_keeping``).
+            ``"hooks"``: Opacus' hooks instantiate every per-sample gradient (the reference path). Same results up to
+            float rounding, same privacy."""
 
 
 def _document_shared_args(cls: type) -> type:
@@ -95,6 +100,7 @@ class DPCallback(Callback):
         loss_reduction: str = "mean",
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
+        grad_sample_mode: str = "book_keeping",
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, noise_multiplier)
         if isinstance(accountant, PrivacyAccountant):
@@ -109,6 +115,10 @@ class DPCallback(Callback):
             )
         if loss_reduction not in ("mean", "sum"):
             raise PrivacyConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise PrivacyConfigurationError(
+                f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
+            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise PrivacyConfigurationError(f"seed must be an int or None, got {seed!r}")
         self.target_epsilon = float(target_epsilon)
@@ -117,6 +127,7 @@ class DPCallback(Callback):
         self.loss_reduction = loss_reduction
         self.seed = seed
         self.log_nonprivate_diagnostics = log_nonprivate_diagnostics
+        self.grad_sample_mode = grad_sample_mode
 
         self.accountant = (
             accountant if isinstance(accountant, PrivacyAccountant) else PrivacyAccountant(self.target_delta, accountant)
@@ -189,7 +200,8 @@ class DPCallback(Callback):
         validate_trainer(trainer)
         self._strategy = self._install_strategy(trainer)
         seeds = torch.randint(0, 2**62, (2,)).tolist() if self.seed is None else [self.seed, self.seed + 1]
-        self._strategy.configure_privacy(sampling_seed=seeds[0], noise_seed=seeds[1], loss_reduction=self.loss_reduction)
+        self._strategy.configure_privacy(sampling_seed=seeds[0], noise_seed=seeds[1], loss_reduction=self.loss_reduction,
+                                         grad_sample_mode=self.grad_sample_mode)
         self._strategy.collect_diagnostics = self.log_nonprivate_diagnostics
         if self.log_nonprivate_diagnostics:
             rank_zero_warn(
@@ -443,9 +455,10 @@ class OSODP(DPCallback):
         loss_reduction: str = "mean",
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
+        grad_sample_mode: str = "book_keeping",
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics)
+                         log_nonprivate_diagnostics, grad_sample_mode)
         self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.lr_lr = check_number("lr_lr", lr_lr)
@@ -514,9 +527,10 @@ class FixedThresholdDP(DPCallback):
         loss_reduction: str = "mean",
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
+        grad_sample_mode: str = "book_keeping",
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics)
+                         log_nonprivate_diagnostics, grad_sample_mode)
         self._clip = check_number("clip", clip, positive=True)
 
     @property
@@ -585,9 +599,10 @@ class FixedQuantileDP(DPCallback):
         loss_reduction: str = "mean",
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
+        grad_sample_mode: str = "book_keeping",
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics)
+                         log_nonprivate_diagnostics, grad_sample_mode)
         target_quantile = check_number("target_quantile", target_quantile, positive=True)
         if not target_quantile < 1:
             raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")

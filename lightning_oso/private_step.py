@@ -77,7 +77,15 @@ def sanitise(
 ) -> list[Tensor]:
     """Weighted sums, Gaussian noise, and division by the expected batch size ``B = qN`` (never the actual size:
     that is private; spec section 0). Returns per parameter a ``[k, *param.shape]`` tensor of sanitised queries."""
-    noisy = add_gaussian_noise(weighted_sums(grad_samples, weights), stds, generator)
+    return sanitise_sums(weighted_sums(grad_samples, weights), stds, expected_batch_size, generator)
+
+
+def sanitise_sums(
+    sums: Sequence[Tensor], stds: Tensor, expected_batch_size: float, generator: torch.Generator | None = None
+) -> list[Tensor]:
+    """Gaussian noise on weighted sums however they were computed (per-sample path or book-keeping), then division
+    by the expected batch size ``B = qN``."""
+    noisy = add_gaussian_noise(sums, stds, generator)
     return [s / expected_batch_size for s in noisy]
 
 

@@ -3,12 +3,13 @@
 It owns the mechanics of a private step, in the order of spec section 1:
 
 1. ``process_dataloader``: the training loader becomes a Poisson-sampled one (``data.poisson_loader``).
-2. Opacus' grad-sample hooks, attached to the user's module without wrapping it, fill ``p.grad_sample``
-   during backward.
+2. Hooks attached to the user's module without wrapping it keep what backward needs for per-sample norms and sums:
+   each layer's input and output gradient (``book_keeping.BookKeeping``, the default fast path) or, with
+   ``grad_sample_mode="hooks"``, every per-sample gradient (Opacus' hooks fill ``p.grad_sample``).
 3. ``optimizer_step`` runs Lightning's closure (forward + backward), then replaces every gradient by its
-   sanitised value (``private_step.sanitise`` with the clipping rule's weights and noise), *before* the
-   ``on_before_optimizer_step`` hooks and the optimizer see it, then steps, then lets the rule update itself
-   (``C_t``) and the learning rate (``rho_t``) from the sanitised values.
+   sanitised value (per-sample norms -> the clipping rule's weights -> weighted sums -> ``private_step`` noise and
+   scaling), *before* the ``on_before_optimizer_step`` hooks and the optimizer see it, then steps, then lets the
+   rule update itself (``C_t``) and the learning rate (``rho_t``) from the sanitised values.
 
 The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
 the accounting. ``Trainer(callbacks=[OSODP(...)])`` installs this strategy by itself on a single device;
@@ -27,7 +28,11 @@ from opacus.grad_sample import GradSampleHooks
 from torch import Tensor
 
 from lightning_oso import private_step
+from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
+
+#: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
+GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
 
 
 class DPStrategy(SingleDeviceStrategy):
@@ -53,7 +58,8 @@ class DPStrategy(SingleDeviceStrategy):
         self.num_samples: int | None = None
         self.expected_batch_size: float | None = None  # B = qN
         self.sample_rate: float | None = None
-        self._hooks: GradSampleHooks | None = None
+        self.grad_sample_mode = "book_keeping"
+        self._hooks: GradSampleHooks | BookKeeping | None = None
         self._batch_size: int | None = None
         #: opt-in, non-private statistics of the last step (spec section 0); empty unless collect_diagnostics
         self.collect_diagnostics = False
@@ -73,11 +79,17 @@ class DPStrategy(SingleDeviceStrategy):
         return new
 
     # ------------------------------------------------------------------ configuration from the callback
-    def configure_privacy(self, sampling_seed: int, noise_seed: int, loss_reduction: str = "mean") -> None:
-        """Seeds of the sampling and noise randomness, and the reduction of the user's loss over the batch."""
+    def configure_privacy(
+        self, sampling_seed: int, noise_seed: int, loss_reduction: str = "mean", grad_sample_mode: str = "book_keeping"
+    ) -> None:
+        """Seeds of the sampling and noise randomness, the reduction of the user's loss over the batch, and how
+        per-sample norms and sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
         self.sampling_seed = sampling_seed
         self.noise_generator = torch.Generator(device=self.root_device).manual_seed(noise_seed)
         self.loss_reduction = loss_reduction
+        self.grad_sample_mode = grad_sample_mode
 
     @property
     def privacy_configured(self) -> bool:
@@ -101,19 +113,25 @@ class DPStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ hooks
     def attach_hooks(self) -> None:
-        """Attach Opacus' per-sample gradient hooks to the user's module (its class and forward stay as they are)."""
-        if self._hooks is None:
-            # Opacus' full backward hooks on the first layer fire although the input needs no gradient; harmless
-            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-            self._hooks = GradSampleHooks(
-                self.lightning_module, batch_first=True, loss_reduction=self.loss_reduction, strict=False
-            )
-            self._hooks.enable_hooks()
+        """Attach the per-sample hooks to the user's module (its class and forward stay as they are)."""
+        if self._hooks is not None:
+            return
+        if self.grad_sample_mode == "book_keeping":
+            self._hooks = BookKeeping(self.lightning_module, loss_reduction=self.loss_reduction)
+            return
+        # Opacus' full backward hooks on the first layer fire although the input needs no gradient; harmless
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        self._hooks = GradSampleHooks(
+            self.lightning_module, batch_first=True, loss_reduction=self.loss_reduction, strict=False
+        )
+        self._hooks.enable_hooks()
 
     def detach_hooks(self) -> None:
-        if self._hooks is not None:
+        if isinstance(self._hooks, BookKeeping):
+            self._hooks.remove()
+        elif self._hooks is not None:
             self._hooks.cleanup()
-            self._hooks = None
+        self._hooks = None
 
     def teardown(self) -> None:
         self.detach_hooks()
@@ -123,6 +141,8 @@ class DPStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._batch_size = _leading_dim(batch)
+        if isinstance(self._hooks, BookKeeping):
+            self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(
@@ -156,44 +176,29 @@ class DPStrategy(SingleDeviceStrategy):
         gradient) and the rule's sanitised scalar queries (``[m]``, or ``None`` if it has none).
         """
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        samples = [getattr(p, "grad_sample", None) for p in params]
-        for p, gs in zip(params, samples):
-            if gs is None and p.grad is not None:
-                raise RuntimeError(
-                    f"a parameter of shape {tuple(p.shape)} received a gradient but no per-sample gradient: it is "
-                    "not inside the trained LightningModule, or a layer computes it in a way Opacus' hooks cannot "
-                    "see. Every optimised parameter must belong to a layer with per-sample gradients."
-                )
-            if isinstance(gs, list):
-                raise RuntimeError(
-                    "several backward passes before one optimizer step (gradient accumulation or a training_step "
-                    "calling backward twice): not supported under DP"
-                )
-        present = [gs for gs in samples if gs is not None]
-        if not present and self._batch_size != 0:
+        per_sample = (
+            _BookKeepingSource(self._hooks, params)
+            if isinstance(self._hooks, BookKeeping)
+            else _GradSampleSource(params)
+        )
+        if per_sample.empty and self._batch_size != 0:
             raise RuntimeError(
                 "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
-        if present:
-            norms = private_step.per_sample_norms(present)
-        else:
-            norms = torch.zeros(0, dtype=params[0].dtype, device=params[0].device)
+        norms = per_sample.norms()
         weights = self.rule.weights(norms)
         if self.collect_diagnostics:
             self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
-        stds = self.rule.noise_stds()
-        # parameters not used in this step: per-sample gradients are all zero (still noised: whether a parameter
-        # was used may depend on the data)
-        full = [
-            gs if gs is not None else torch.zeros((norms.shape[0], *p.shape), dtype=p.dtype, device=p.device)
-            for p, gs in zip(params, samples)
-        ]
-        sanitised = private_step.sanitise(full, weights, stds, self.expected_batch_size, self.noise_generator)
+        # parameters not used in this step get zero sums, still noised: whether a parameter was used may depend on
+        # the data
+        sums = per_sample.weighted_sums(weights)
+        sanitised = private_step.sanitise_sums(sums, self.rule.noise_stds(), self.expected_batch_size,
+                                               self.noise_generator)
         for p, s in zip(params, sanitised):
             p.grad = s[self.rule.GRADIENT].to(p.dtype)
-            p.grad_sample = None
+        per_sample.release()
         contributions = self.rule.scalar_queries(norms)
         scalars = None
         if contributions is not None:
@@ -214,6 +219,74 @@ class DPStrategy(SingleDeviceStrategy):
         if state["noise_generator"] is not None:
             self.noise_generator = torch.Generator(device=self.root_device)
             self.noise_generator.set_state(state["noise_generator"])
+
+
+class _GradSampleSource:
+    """Per-sample norms and sums from the per-sample gradients Opacus' hooks left in ``p.grad_sample``."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.samples = [getattr(p, "grad_sample", None) for p in params]
+        for p, gs in zip(params, self.samples):
+            if gs is None and p.grad is not None:
+                raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))
+            if isinstance(gs, list):
+                raise RuntimeError(_SEVERAL_BACKWARDS)
+        self.empty = all(gs is None for gs in self.samples)
+
+    def norms(self) -> Tensor:
+        present = [gs for gs in self.samples if gs is not None]
+        if present:
+            return private_step.per_sample_norms(present)
+        return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        full = [
+            gs if gs is not None else torch.zeros((weights.shape[0], *p.shape), dtype=p.dtype, device=p.device)
+            for p, gs in zip(self.params, self.samples)
+        ]
+        return private_step.weighted_sums(full, weights)
+
+    def release(self) -> None:
+        for p in self.params:
+            p.grad_sample = None
+
+
+class _BookKeepingSource:
+    """Per-sample norms and sums from the book-keeping hooks (``book_keeping.BookKeeping``)."""
+
+    def __init__(self, hooks: BookKeeping, params: list[Tensor]) -> None:
+        self.hooks, self.params = hooks, params
+        covered = set(hooks.parameters)
+        for p in params:
+            if p not in covered and p.grad is not None:
+                raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))
+        if hooks.several_backward_passes:
+            raise RuntimeError(_SEVERAL_BACKWARDS)
+        self.empty = hooks.batch_size is None
+
+    def norms(self) -> Tensor:
+        if self.empty:
+            return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
+        return self.hooks.norms()
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        return self.hooks.weighted_sums(self.params, weights)
+
+    def release(self) -> None:
+        self.hooks.clear()
+
+
+_NO_PER_SAMPLE = (
+    "a parameter of shape {shape} received a gradient but no per-sample gradient: it is not inside the trained "
+    "LightningModule, or it is used outside the forward of the layer that owns it (e.g. a tied weight read "
+    "directly), where no per-sample hook can see it. Every optimised parameter must belong to a layer with "
+    "per-sample gradients."
+)
+_SEVERAL_BACKWARDS = (
+    "several backward passes before one optimizer step (gradient accumulation or a training_step calling backward "
+    "twice): not supported under DP"
+)
 
 
 def _nonprivate_diagnostics(norms: Tensor, clip: Tensor) -> dict[str, Tensor]:
