@@ -3,8 +3,8 @@ per-sample gradients where that is cheaper (ghost norm, Goodfellow 2015 and Li e
 2023).
 
 One backward pass. Per layer, a forward hook keeps the layer's input ``a`` and a tensor hook the gradient ``b`` of
-the loss with respect to the layer's output (times the batch size for a mean loss, so ``b_i`` is sample ``i``'s
-own). For Linear, Conv (unfolded) and Embedding (one-hot input) the weight's per-sample gradient is an outer-product
+the loss with respect to the layer's output (for a mean loss, ``n b_i`` is sample ``i``'s own; the factor ``n`` is
+applied to the norms and the weights, not to ``b``). For Linear, Conv (unfolded) and Embedding (one-hot input) the weight's per-sample gradient is an outer-product
 sum over positions ``t``, ``G_i = sum_t b_it a_it^T``, so
 
 - ghost norm: ``||G_i||^2 = sum_{t,s} (a_it . a_is)(b_it . b_is)``, cost ``~ T^2 (d_in + d_out)`` per sample;
@@ -122,14 +122,19 @@ class _Embedding:
 
 
 # ----------------------------------------------------------------------------------------------------- layer kinds
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Concatenate the positions of several calls of one layer (no copy for the usual single call)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _as_sequence(x: Tensor) -> Tensor:
     """``[n, *positions, d] -> [n, T, d]`` (explicit sizes: ``-1`` is ambiguous for an empty batch)."""
     return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
 
 def _linear(layer: nn.Linear, inputs: list[tuple], backprops: list[Tensor]) -> _OuterProduct:
-    a = torch.cat([_as_sequence(x[0]) for x in inputs], dim=1)
-    b = torch.cat([_as_sequence(g) for g in backprops], dim=1)
+    a = _cat([_as_sequence(x[0]) for x in inputs])
+    b = _cat([_as_sequence(g) for g in backprops])
     return _OuterProduct(layer.weight, layer.bias, a, b)
 
 
@@ -145,12 +150,12 @@ def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Ten
         patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, L]
         a_parts.append(patches.transpose(1, 2))
         b_parts.append(g.reshape(g.shape[0], g.shape[1], math.prod(g.shape[2:])).transpose(1, 2))  # [n, L, C_out]
-    return _OuterProduct(layer.weight, layer.bias, torch.cat(a_parts, dim=1), torch.cat(b_parts, dim=1))
+    return _OuterProduct(layer.weight, layer.bias, _cat(a_parts), _cat(b_parts))
 
 
 def _embedding(layer: nn.Embedding, inputs: list[tuple], backprops: list[Tensor]) -> _Embedding:
-    idx = torch.cat([x[0].reshape(x[0].shape[0], math.prod(x[0].shape[1:])) for x in inputs], dim=1)
-    b = torch.cat([_as_sequence(g) for g in backprops], dim=1)
+    idx = _cat([x[0].reshape(x[0].shape[0], math.prod(x[0].shape[1:])) for x in inputs])
+    b = _cat([_as_sequence(g) for g in backprops])
     return _Embedding(layer, idx, b)
 
 
@@ -239,13 +244,18 @@ class BookKeeping:
         self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
         self._computed: dict[nn.Module, Any] | None = None
         self.several_backward_passes = False
+        self._frozen: list[nn.Parameter] | None = None
         self._handles = [layer.register_forward_hook(self._capture_input) for layer in self.layers]
 
     @property
     def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters of the hooked layers (frozen ones included, see :meth:`freeze`)."""
+        if self._frozen is not None:
+            return list(self._frozen)
         return [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
 
     def remove(self) -> None:
+        self.unfreeze()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -256,17 +266,37 @@ class BookKeeping:
         self.several_backward_passes = False
 
     # --- hooks
+    def freeze(self) -> None:
+        """Switch autograd's own gradients off for the hooked layers' parameters until :meth:`unfreeze`.
+
+        The private step replaces them anyway: what it needs comes from the hooks, so skipping them saves a
+        weight-gradient product per layer (a third of the backward pass) and the ``.grad`` buffers. The hooked
+        layers' outputs are made to require gradients so that backward still reaches every one of them.
+        """
+        if self._frozen is None:
+            self._frozen = self.parameters
+            for p in self._frozen:
+                p.requires_grad_(False)
+
+    def unfreeze(self) -> None:
+        if self._frozen is not None:
+            for p in self._frozen:
+                p.requires_grad_(True)
+            self._frozen = None
+
     def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> None:
-        if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
-            return  # evaluation, or a forward that backward will not reach
+        if not (torch.is_grad_enabled() and isinstance(output, Tensor)):
+            return  # evaluation
+        if self._frozen is not None and not output.requires_grad and output.is_floating_point():
+            output.requires_grad_(True)  # a first layer: no input or parameter needs a gradient (see freeze)
+        if not output.requires_grad:
+            return  # a forward that backward will not reach
         calls = self._inputs.setdefault(layer, [])
         calls.append(tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs))
         output.register_hook(functools.partial(self._capture_backprop, layer, len(calls) - 1))
 
     def _capture_backprop(self, layer: nn.Module, call: int, grad: Tensor) -> None:
-        grad = grad.detach()
-        if self.loss_reduction == "mean":
-            grad = grad * grad.shape[0]
+        grad = grad.detach()  # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here
         calls = self._backprops.setdefault(layer, {})
         if call in calls:  # the same output's gradient twice: a second backward pass over one forward
             self.several_backward_passes = True
@@ -291,19 +321,26 @@ class BookKeeping:
                 return grad.shape[0]
         return None
 
+    @property
+    def _loss_scale(self) -> float:
+        """Sample ``i``'s own loss gradient is ``n`` times its share of a mean loss's (everything here is linear in
+        the output gradients, so the factor moves onto the norms and the weights)."""
+        return float(self.batch_size or 1) if self.loss_reduction == "mean" else 1.0
+
     def norms(self) -> Tensor:
         """``||g_i||`` over all trainable parameters of the hooked layers, shape ``[n]``."""
         computed = self._compute()
         if not computed:
             raise RuntimeError("no layer received a gradient in the last backward pass")
-        return torch.stack([c.sq_norms() for c in computed.values()]).sum(dim=0).sqrt()
+        return torch.stack([c.sq_norms() for c in computed.values()]).sum(dim=0).sqrt() * self._loss_scale
 
     def weighted_sums(self, params: Iterable[nn.Parameter], weights: Tensor) -> list[Tensor]:
         """``sum_i weights[i, k] g_i`` per parameter in ``params``, shape ``[k, *param.shape]`` (zeros for a
         parameter no sample's gradient reached)."""
         sums: Sums = {}
+        scaled = weights * self._loss_scale
         for computed in self._compute().values():
-            sums.update(computed.weighted_sums(weights))
+            sums.update(computed.weighted_sums(scaled))
         k = weights.shape[1]
         return [
             sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params

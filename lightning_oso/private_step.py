@@ -62,9 +62,9 @@ def add_gaussian_noise(
     """Add independent ``N(0, stds[k]^2 I)`` to row ``k`` of every parameter's sums (a new list; inputs untouched)."""
     noisy = []
     for s in sums:
-        noise = torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype)
+        noise = torch.empty_like(s).normal_(generator=generator)  # on s's device; normal_ beats randn on CPU
         shape = (-1,) + (1,) * (s.dim() - 1)
-        noisy.append(s + noise * stds.to(s.dtype).reshape(shape))
+        noisy.append(noise.mul_(stds.to(s.dtype).reshape(shape)).add_(s))  # in place: no temporaries
     return noisy
 
 
@@ -85,9 +85,7 @@ def sanitise_sums(
 ) -> list[Tensor]:
     """Gaussian noise on weighted sums however they were computed (per-sample path or book-keeping), then division
     by the expected batch size ``B = qN``."""
-    noisy = add_gaussian_noise(sums, stds, generator)
-    return [s / expected_batch_size for s in noisy]
-
+    return [s.div_(expected_batch_size) for s in add_gaussian_noise(sums, stds, generator)]  # fresh tensors
 
 def sanitise_scalars(
     contributions: Tensor,

@@ -143,6 +143,7 @@ class DPStrategy(SingleDeviceStrategy):
         self._batch_size = _leading_dim(batch)
         if isinstance(self._hooks, BookKeeping):
             self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
+            self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(
@@ -157,7 +158,11 @@ class DPStrategy(SingleDeviceStrategy):
         released: dict[str, Any] = {}
 
         def private_closure() -> Any:
-            loss = closure()  # forward + backward: fills p.grad_sample
+            try:
+                loss = closure()  # forward + backward: the hooks keep what the per-sample norms and sums need
+            finally:
+                if isinstance(self._hooks, BookKeeping):
+                    self._hooks.unfreeze()
             released["sanitised"], released["scalars"] = self.privatise(optimizer)
             return loss
 
