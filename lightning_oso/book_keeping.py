@@ -138,19 +138,38 @@ def _linear(layer: nn.Linear, inputs: list[tuple], backprops: list[Tensor]) -> _
     return _OuterProduct(layer.weight, layer.bias, a, b)
 
 
-def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tensor]) -> _OuterProduct:
+def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tensor]) -> _OuterProduct | _Instantiated:
+    """Conv1d/Conv2d (as 2-d with a unit height): ghost norm over unfolded patches where that is cheaper, else the
+    per-sample weight gradients from one grouped convolution (the batch as groups), which needs no unfolded copy
+    of the input (``C k k`` times its size)."""
     one_d = isinstance(layer, nn.Conv1d)
     kernel = (1, *layer.kernel_size) if one_d else layer.kernel_size
     stride = (1, *layer.stride) if one_d else layer.stride
     padding = (0, *layer.padding) if one_d else layer.padding
     dilation = (1, *layer.dilation) if one_d else layer.dilation
-    a_parts, b_parts = [], []
-    for x, g in zip(inputs, backprops):
-        x = x[0].unsqueeze(2) if one_d else x[0]
-        patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, L]
-        a_parts.append(patches.transpose(1, 2))
-        b_parts.append(g.reshape(g.shape[0], g.shape[1], math.prod(g.shape[2:])).transpose(1, 2))  # [n, L, C_out]
-    return _OuterProduct(layer.weight, layer.bias, _cat(a_parts), _cat(b_parts))
+    xs = [x[0].unsqueeze(2) if one_d else x[0] for x in inputs]
+    gs = [g.unsqueeze(2) if one_d else g for g in backprops]
+    positions = sum(math.prod(g.shape[2:]) for g in gs)
+    d_in, d_out = layer.in_channels * math.prod(kernel), layer.out_channels
+    if positions * (d_in + d_out) <= d_in * d_out:  # ghost norm
+        a_parts, b_parts = [], []
+        for x, g in zip(xs, gs):
+            patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, L]
+            a_parts.append(patches.transpose(1, 2))
+            b_parts.append(g.reshape(g.shape[0], d_out, math.prod(g.shape[2:])).transpose(1, 2))  # [n, L, C_out]
+        return _OuterProduct(layer.weight, layer.bias, _cat(a_parts), _cat(b_parts))
+    grads: dict[nn.Parameter, Tensor] = {}
+    for x, g in zip(xs, gs):
+        n = g.shape[0]
+        per_sample = torch.nn.grad.conv2d_weight(
+            x.to(g.dtype).reshape(1, n * x.shape[1], *x.shape[2:]),
+            (n * d_out, layer.in_channels, *kernel),
+            g.reshape(1, n * d_out, *g.shape[2:]),
+            stride=stride, padding=padding, dilation=dilation, groups=n,
+        )
+        _accumulate(grads, layer.weight, per_sample.reshape(n, *layer.weight.shape))
+        _accumulate(grads, layer.bias, g.sum(dim=(2, 3)))
+    return _Instantiated(grads)
 
 
 def _embedding(layer: nn.Embedding, inputs: list[tuple], backprops: list[Tensor]) -> _Embedding:
@@ -243,8 +262,9 @@ class BookKeeping:
         self._inputs: dict[nn.Module, list[tuple]] = {}
         self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
         self._computed: dict[nn.Module, Any] | None = None
-        self.several_backward_passes = False
         self._frozen: list[nn.Parameter] | None = None
+        self._computing = False
+        self.clear()
         self._handles = [layer.register_forward_hook(self._capture_input) for layer in self.layers]
 
     @property
@@ -263,6 +283,8 @@ class BookKeeping:
 
     def clear(self) -> None:
         self._inputs, self._backprops, self._computed = {}, {}, None
+        self._eager: dict[nn.Module, Any] = {}
+        self.batch_size: int | None = None  # of the last backward pass; None if no hooked layer received a gradient
         self.several_backward_passes = False
 
     # --- hooks
@@ -275,6 +297,7 @@ class BookKeeping:
         """
         if self._frozen is None:
             self._frozen = self.parameters
+            self._frozen_ids = {id(p) for p in self._frozen}
             for p in self._frozen:
                 p.requires_grad_(False)
 
@@ -285,8 +308,8 @@ class BookKeeping:
             self._frozen = None
 
     def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> None:
-        if not (torch.is_grad_enabled() and isinstance(output, Tensor)):
-            return  # evaluation
+        if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
+            return  # evaluation, or a fallback sampler re-running the layer
         if self._frozen is not None and not output.requires_grad and output.is_floating_point():
             output.requires_grad_(True)  # a first layer: no input or parameter needs a gradient (see freeze)
         if not output.requires_grad:
@@ -297,29 +320,42 @@ class BookKeeping:
 
     def _capture_backprop(self, layer: nn.Module, call: int, grad: Tensor) -> None:
         grad = grad.detach()  # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here
+        self.batch_size = grad.shape[0]
         calls = self._backprops.setdefault(layer, {})
-        if call in calls:  # the same output's gradient twice: a second backward pass over one forward
+        if call in calls or layer in self._eager:  # a second backward pass over one forward
             self.several_backward_passes = True
-            grad = calls[call] + grad
+            return
         calls[call] = grad
+        if len(self._inputs[layer]) == 1:
+            # the usual single call: compute this layer's part now, during backward, and let go of its input and
+            # output gradient (an instantiating layer keeps only its per-sample gradients, often far smaller)
+            self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad])
+            self._inputs[layer], self._backprops[layer] = [], {}
+
+    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Any:
+        # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
+        # of this layer's parameters while its part is computed
+        frozen = [p for p in layer.parameters(recurse=False) if self._frozen is not None and id(p) in self._frozen_ids]
+        self._computing = True
+        try:
+            for p in frozen:
+                p.requires_grad_(True)
+            with torch.no_grad():
+                return (_fast_kind(layer) or _opacus_fallback)(layer, inputs, backprops)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+            self._computing = False
 
     # --- what the private step asks
     def _compute(self) -> dict[nn.Module, Any]:
         if self._computed is None:
-            self._computed = {}
+            self._computed = dict(self._eager)
             for layer, calls in self._backprops.items():
-                inputs = [self._inputs[layer][i] for i in sorted(calls)]
-                backprops = [calls[i] for i in sorted(calls)]
-                kind = _fast_kind(layer) or _opacus_fallback
-                self._computed[layer] = kind(layer, inputs, backprops)
+                if calls:  # a layer called several times: its calls' positions are combined here
+                    inputs = [self._inputs[layer][i] for i in sorted(calls)]
+                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)])
         return self._computed
-
-    @property
-    def batch_size(self) -> int | None:
-        for calls in self._backprops.values():
-            for grad in calls.values():
-                return grad.shape[0]
-        return None
 
     @property
     def _loss_scale(self) -> float:

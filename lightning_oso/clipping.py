@@ -249,8 +249,8 @@ class OSOClipping(ClippingRule):
             lr_sign = torch.sign(private_step.flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
             lr_factor = torch.exp(self.lr_lr * lr_sign)
-        self.prev_gradient = [g.detach().clone() for g in gradient]
-        self.prev_direction = [d.detach().clone() for d in direction]
+        self.prev_gradient = [g.detach().clone() for g in gradient]  # a copy: p.grad is a view a user may edit
+        self.prev_direction = [d.detach() for d in direction]  # only this rule sees the direction query
         return lr_factor
 
     def state_dict(self) -> dict:

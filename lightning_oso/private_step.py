@@ -101,4 +101,4 @@ def sanitise_scalars(
 
 def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     """Inner product of two vectors stored as lists of per-parameter tensors (a 0-dim tensor on their device)."""
-    return torch.stack([(x * y).sum() for x, y in zip(a, b)]).sum()
+    return torch.stack([torch.dot(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b)]).sum()  # no temporaries

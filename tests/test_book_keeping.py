@@ -8,7 +8,7 @@ from opacus.layers import DPMultiheadAttention
 from torch import nn
 
 from lightning_oso import private_step
-from lightning_oso.book_keeping import BookKeeping, _fast_kind
+from lightning_oso.book_keeping import BookKeeping, _fast_kind, _Instantiated
 
 
 class Mixed(nn.Module):
@@ -22,18 +22,18 @@ class Mixed(nn.Module):
         self.attn = DPMultiheadAttention(8, 2, batch_first=True)
         self.ln = nn.LayerNorm(8)
         self.seq_linear = nn.Linear(8, 16)
-        self.conv1d = nn.Conv1d(16, 4, 3, padding=1)
+        self.conv1d = nn.Conv1d(16, 4, 3, padding=1, stride=2)
         self.conv_ghost = nn.Conv2d(2, 32, 3, stride=2, padding=1)  # L = 9 positions, 18 x 32 weights: ghost
-        self.conv_inst = nn.Conv2d(32, 2, 1)  # L = 9, 32 x 2 weights: instantiated
+        self.conv_inst = nn.Conv2d(32, 2, 3, padding=2, dilation=2)  # L = 9, 288 x 2 weights: instantiated
         self.gn = nn.GroupNorm(2, 2)
         self.grouped = nn.Conv2d(2, 2, 3, padding=1, groups=2)  # not fast-path: Opacus' sampler
-        self.head = nn.Linear(4 * 5 + 2 * 9, 3)
+        self.head = nn.Linear(4 * 3 + 2 * 9, 3)
         self.mix = nn.Linear(3, 3)
 
     def forward(self, tokens: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         h = self.ln(h + self.attn(h, h, h, need_weights=False)[0])
-        h = self.conv1d(torch.relu(self.seq_linear(h)).transpose(1, 2))  # [n, 4, 5]
+        h = self.conv1d(torch.relu(self.seq_linear(h)).transpose(1, 2))  # [n, 4, 3]
         z = self.conv_inst(torch.relu(self.conv_ghost(image)))  # [n, 2, 3, 3]
         z = self.grouped(self.gn(z))
         features = torch.cat([h.flatten(1), z.flatten(1)], dim=1)
@@ -65,14 +65,18 @@ def test_layer_kinds_cover_both_choices():
     bk = BookKeeping(model)
     nn.functional.cross_entropy(model(tokens, image), y).backward()
     computed = bk._compute()
-    assert computed[model.conv_ghost].ghost and not computed[model.conv_inst].ghost
+    assert computed[model.conv_ghost].ghost and isinstance(computed[model.conv_inst], _Instantiated)
     assert computed[model.seq_linear].ghost  # 5 positions, 8 x 16 weights
-    assert not computed[model.conv1d].ghost  # 5 positions, 48 x 4 weights
+    assert computed[model.conv1d].ghost  # 3 positions, 48 x 4 weights
+    assert not computed[model.attn.qlinear].ghost  # 5 positions, 8 x 8 weights: instantiated
     bk.remove()
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-def test_norms_and_sums_equal_the_per_sample_path(loss_reduction):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_norms_and_sums_equal_the_per_sample_path(loss_reduction, frozen):
+    """Also with autograd's weight gradients switched off (freeze, as the strategy does), when the layer parts are
+    computed during backward."""
     torch.manual_seed(0)
     model = Mixed()
     tokens, image, y = _batch()
@@ -80,7 +84,12 @@ def test_norms_and_sums_equal_the_per_sample_path(loss_reduction):
 
     model.zero_grad()
     bk = BookKeeping(model, loss_reduction=loss_reduction)
+    if frozen:
+        bk.freeze()
     nn.functional.cross_entropy(model(tokens, image), y, reduction=loss_reduction).backward()
+    if frozen:
+        assert all(p.grad is None for p in params)
+        bk.unfreeze()
     norms = bk.norms()
     torch.testing.assert_close(norms, private_step.per_sample_norms(reference), rtol=1e-4, atol=1e-6)
     weights = torch.rand(len(y), 2, generator=torch.Generator().manual_seed(3))
@@ -188,3 +197,71 @@ def test_sensitivity_on_neighbouring_batches():
         neighbour = sums(torch.tensor([i for i in range(8) if i != j]))
         diff = [torch.cat([(a[k] - b[k]).flatten() for a, b in zip(full, neighbour)]).norm() for k in (0, 1)]
         assert diff[0] <= 0.3 * (1 + 1e-5) and diff[1] <= 1 + 1e-5
+
+
+def test_autograd_weight_gradients_are_skipped_and_restored():
+    """On the fast path autograd computes no weight gradients (the private step replaces them): a user's
+    on_after_backward sees none, the optimizer sees the sanitised ones, and requires_grad is back after every step
+    and after fit, also when a step fails."""
+    from conftest import ToyModel, make_trainer, toy_loader
+
+    from lightning_oso import OSODP
+
+    class Spy(ToyModel):
+        def on_after_backward(self):
+            self.after_backward = [p.grad for p in self.parameters()]
+            self.frozen = [p.requires_grad for p in self.parameters()]
+
+        def on_before_optimizer_step(self, optimizer):
+            self.before_step = [p.grad is not None and p.requires_grad for p in self.parameters()]
+
+    model = Spy()
+    make_trainer([OSODP(target_epsilon=5.0, noise_multiplier=1.0)], max_epochs=1).fit(model, toy_loader())
+    assert all(g is None for g in model.after_backward) and not any(model.frozen)
+    assert all(model.before_step)
+    assert all(p.requires_grad for p in model.parameters())
+
+    class Failing(ToyModel):
+        def training_step(self, batch, batch_idx):
+            raise ValueError("boom")
+
+    failing = Failing()
+    with pytest.raises(ValueError, match="boom"):
+        make_trainer([OSODP(target_epsilon=5.0, noise_multiplier=1.0)], max_epochs=1).fit(failing, toy_loader())
+    assert all(p.requires_grad for p in failing.parameters())
+
+
+def test_private_step_reads_nothing_back_to_the_host(monkeypatch):
+    """No per-step synchronisation: the private step and the rule's update never turn a tensor into a Python number
+    (``item``, ``float``, ``bool``, ``tolist``), so on a GPU nothing waits for the device."""
+    from conftest import ToyModel, make_trainer, toy_loader
+
+    from lightning_oso import OSODP
+    from lightning_oso.strategy import DPStrategy
+
+    reads = []
+    original_privatise = DPStrategy.privatise
+
+    def watched(fn):
+        def wrapper(*args, **kwargs):
+            with monkeypatch.context() as m:
+                for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+                    method = getattr(torch.Tensor, name)
+                    m.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=method: reads.append(_n) or _f(self, *a))
+                return fn(*args, **kwargs)
+        return wrapper
+
+    watched(lambda: bool(torch.tensor(1.0) > 0) and torch.tensor(2.0).item())()
+    assert reads == ["__bool__", "item"]  # the watch sees host reads
+    reads.clear()
+    monkeypatch.setattr(DPStrategy, "privatise", watched(original_privatise))
+    model = ToyModel(net=nn.Sequential(nn.Linear(10, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 2)))
+    callback = OSODP(target_epsilon=5.0, noise_multiplier=1.0)
+    make_trainer([callback], max_epochs=1).fit(model, toy_loader())
+    assert callback.steps > 0 and reads == []
+    # and the rule's update (C_t, rho_t) from the sanitised values
+    rule = callback.rule
+    sanitised = [torch.randn(2, *p.shape) for p in model.parameters()]
+    watched(rule.update)(sanitised)
+    watched(rule.update)(sanitised)
+    assert reads == []

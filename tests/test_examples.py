@@ -46,3 +46,28 @@ def test_comparison_smallest_setting(tmp_path):
             assert direct <= 3.0
         # more candidates, more noise per run: the grid's budget is shared
         assert by_method["FixedThreshold"]["noise_multiplier"] > by_method["Online"]["noise_multiplier"]
+
+
+def test_overhead_benchmark_smallest_setting(tmp_path):
+    """The benchmark harness runs every variant on every model (a few steps) and writes its JSON, table and plot;
+    the figures themselves are measured by running it, not here."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import overhead
+
+    rows = []
+    for model in overhead.MODELS:
+        times = {v: overhead.run(v, model, 8, 2, "cpu") for v in overhead.VARIANTS}
+        assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+        for v in overhead.VARIANTS:
+            base = "non_private" if v in overhead.OURS else "torch_non_private"
+            rows.append({"model": model, "batch_size": 8, "variant": v, "median_ms": 1e3 * times[v][1],
+                         "time_ratio": times[v][1] / times[base][1], "memory_mb": None})
+    assert overhead.peak_memory_mb("oso", "mlp", 8, 2, "cpu") >= 0
+    result = {"device": "cpu", "machine": "test", "steps": 1, "repeats": 1, "rows": rows,
+              "goals": overhead._goals(rows), "calibration": [{"steps": 10, "sample_rate": 0.01, "epsilon": 3.0,
+                                                               "noise_multiplier": 1.0, "seconds": 0.1}]}
+    assert len(result["goals"]) == 4 * 2 + 2  # per model: vs fixed clip, vs Opacus; MLP, transformer: time
+    overhead.write_report(result, tmp_path / "overhead")
+    assert json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    assert "| transformer | 8 | oso |" in (tmp_path / "overhead.md").read_text()
+    assert (tmp_path / "overhead.png").stat().st_size > 10_000
