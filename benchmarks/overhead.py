@@ -364,9 +364,11 @@ def _goals(rows: list[dict]) -> list[dict]:
         ratio = oso["median_ms"] / fixed["median_ms"]
         goals.append({"goal": f"{model} B={batch}: OSO <= 1.05x our fixed-clip step", "met": ratio <= 1.05,
                       "value": f"{ratio:.3f}x"})
-        goals.append({"goal": f"{model} B={batch}: OSO faster than Opacus hooks",
-                      "met": oso["median_ms"] < hooks["median_ms"],
-                      "value": f"{oso['median_ms']:.2f} vs {hooks['median_ms']:.2f} ms"})
+        # each against its own framework's non-private step: ours carries Lightning's per-step cost, Opacus' not
+        goals.append({"goal": f"{model} B={batch}: OSO faster than Opacus hooks (time ratio to non-private)",
+                      "met": oso["time_ratio"] < hooks["time_ratio"],
+                      "value": f"{oso['time_ratio']:.2f}x vs {hooks['time_ratio']:.2f}x; "
+                               f"{oso['median_ms']:.2f} vs {hooks['median_ms']:.2f} ms"})
     return goals
 
 

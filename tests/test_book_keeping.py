@@ -23,8 +23,8 @@ class Mixed(nn.Module):
         self.ln = nn.LayerNorm(8)
         self.seq_linear = nn.Linear(8, 16)
         self.conv1d = nn.Conv1d(16, 4, 3, padding=1, stride=2)
-        self.conv_ghost = nn.Conv2d(2, 32, 3, stride=2, padding=1)  # L = 9 positions, 18 x 32 weights: ghost
-        self.conv_inst = nn.Conv2d(32, 2, 3, padding=2, dilation=2)  # L = 9, 288 x 2 weights: instantiated
+        self.conv_ghost = nn.Conv2d(4, 64, 3, stride=2, padding=1)  # L = 9 positions, 36 x 64 weights: ghost
+        self.conv_inst = nn.Conv2d(64, 2, 3, padding=2, dilation=2)  # L = 9, 576 x 2 weights: instantiated
         self.gn = nn.GroupNorm(2, 2)
         self.grouped = nn.Conv2d(2, 2, 3, padding=1, groups=2)  # not fast-path: Opacus' sampler
         self.head = nn.Linear(4 * 3 + 2 * 9, 3)
@@ -44,7 +44,7 @@ def _batch(n: int = 6):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 11, (n, 5), generator=g)
     tokens[0, 3:] = 0  # padding
-    return tokens, torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return tokens, torch.randn(n, 4, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
 def _reference(model, tokens, image, y):
@@ -67,7 +67,7 @@ def test_layer_kinds_cover_both_choices():
     computed = bk._compute()
     assert computed[model.conv_ghost].ghost and isinstance(computed[model.conv_inst], _Instantiated)
     assert computed[model.seq_linear].ghost  # 5 positions, 8 x 16 weights
-    assert computed[model.conv1d].ghost  # 3 positions, 48 x 4 weights
+    assert isinstance(computed[model.conv1d], _Instantiated)  # 3 positions, 48 x 4 weights, stride 2
     assert not computed[model.attn.qlinear].ghost  # 5 positions, 8 x 8 weights: instantiated
     bk.remove()
 
