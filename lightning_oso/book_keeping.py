@@ -266,6 +266,7 @@ class BookKeeping:
         self._computed: dict[nn.Module, Any] | None = None
         self._frozen: list[nn.Parameter] | None = None
         self._computing = False
+        self._anchors: dict[tuple, Tensor] = {}
         self.clear()
         self._handles = [layer.register_forward_hook(self._capture_input) for layer in self.layers]
 
@@ -309,16 +310,27 @@ class BookKeeping:
                 p.requires_grad_(True)
             self._frozen = None
 
-    def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> None:
+    def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> Tensor | None:
         if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
-            return  # evaluation, or a fallback sampler re-running the layer
+            return None  # evaluation, or a fallback sampler re-running the layer
+        replaced = None
         if self._frozen is not None and not output.requires_grad and output.is_floating_point():
-            output.requires_grad_(True)  # a first layer: no input or parameter needs a gradient (see freeze)
+            # a first layer: neither its input nor its (frozen) parameters need a gradient, so backward would stop
+            # short of it. Adding a zero that requires one makes the output a non-leaf that does (an in-place op
+            # after the layer, e.g. ReLU(inplace=True), stays legal, as it would not on a leaf).
+            output = replaced = output + self._anchor(output)
         if not output.requires_grad:
-            return  # a forward that backward will not reach
+            return None  # a forward that backward will not reach
         calls = self._inputs.setdefault(layer, [])
         calls.append(tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs))
         output.register_hook(functools.partial(self._capture_backprop, layer, len(calls) - 1))
+        return replaced
+
+    def _anchor(self, like: Tensor) -> Tensor:
+        key = (like.device, like.dtype)
+        if key not in self._anchors:
+            self._anchors[key] = torch.zeros((), device=like.device, dtype=like.dtype, requires_grad=True)
+        return self._anchors[key]
 
     def _capture_backprop(self, layer: nn.Module, call: int, grad: Tensor) -> None:
         grad = grad.detach()  # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here

@@ -265,3 +265,23 @@ def test_private_step_reads_nothing_back_to_the_host(monkeypatch):
     watched(rule.update)(sanitised)
     watched(rule.update)(sanitised)
     assert reads == []
+
+
+def test_frozen_first_layer_followed_by_an_inplace_op():
+    """With autograd's weight gradients off, a first layer's output must still carry gradients without becoming a
+    leaf, or a following in-place op (ReLU(inplace=True), common in CNNs) would fail."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 4 * 4, 2),
+                          nn.ReLU(inplace=True))
+    x = torch.randn(5, 1, 6, 6)
+    reference = []
+    for i in range(5):
+        model.zero_grad()
+        model(x[i : i + 1]).sum().backward()
+        reference.append([p.grad.clone() for p in model.parameters()])
+    bk = BookKeeping(model, loss_reduction="sum")
+    bk.freeze()
+    model(x).sum().backward()
+    bk.unfreeze()
+    expected = private_step.per_sample_norms([torch.stack([r[j] for r in reference]) for j in range(4)])
+    torch.testing.assert_close(bk.norms(), expected, rtol=1e-4, atol=1e-6)
+    bk.remove()
