@@ -218,6 +218,12 @@ def _opacus_fallback(layer: nn.Module, inputs: list[tuple], backprops: list[Tens
     return _Instantiated(grads)
 
 
+def _at_least_float32(x: Any) -> Any:
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
+
+
 def _accumulate(grads: dict[nn.Parameter, Tensor], param: nn.Parameter | None, value: Tensor) -> None:
     if param is not None and param.requires_grad:
         grads[param] = grads[param] + value if param in grads else value
@@ -355,7 +361,11 @@ class BookKeeping:
             for p in frozen:
                 p.requires_grad_(True)
             with torch.no_grad():
-                return (_fast_kind(layer) or _opacus_fallback)(layer, inputs, backprops)
+                if _fast_kind(layer) is None:
+                    return _opacus_fallback(layer, inputs, backprops)
+                # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
+                inputs = [tuple(_at_least_float32(x) for x in call) for call in inputs]
+                return _fast_kind(layer)(layer, inputs, [_at_least_float32(g) for g in backprops])
         finally:
             for p in frozen:
                 p.requires_grad_(False)

@@ -285,3 +285,23 @@ def test_frozen_first_layer_followed_by_an_inplace_op():
     expected = private_step.per_sample_norms([torch.stack([r[j] for r in reference]) for j in range(4)])
     torch.testing.assert_close(bk.norms(), expected, rtol=1e-4, atol=1e-6)
     bk.remove()
+
+
+def test_half_precision_layers_get_float32_norms_and_sums():
+    """A bfloat16 model (or bf16 autocast): the norms that decide the clipping are computed in float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    x = torch.randn(5, 6)
+    bk = BookKeeping(model, loss_reduction="sum")
+    model(x).pow(2).sum().backward()
+    exact = bk.norms()
+    bk.remove()
+    half = model.to(torch.bfloat16)
+    bk = BookKeeping(half, loss_reduction="sum")
+    half(x.to(torch.bfloat16)).float().pow(2).sum().backward()
+    norms = bk.norms()
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms, exact, rtol=3e-2, atol=1e-3)  # bf16 forward/backward, float32 norms
+    sums = bk.weighted_sums(list(half.parameters()), torch.ones(5, 1))
+    assert all(s.dtype == torch.float32 for s in sums)
+    bk.remove()
