@@ -56,7 +56,11 @@ _SHARED_ARGS_DOC = """target_epsilon: the privacy budget epsilon; training never
             ghost norms and book-keeping sums from each layer's input and output gradient, per-sample gradients
             instantiated only where that is cheaper (fast, little memory; see ``lightning_oso.book_keeping``).
             ``"hooks"``: Opacus' hooks instantiate every per-sample gradient (the reference path). Same results up to
-            float rounding, same privacy."""
+            float rounding, same privacy.
+        secure_rng: draw the Poisson sampling and the Gaussian noise from the operating system's cryptographically
+            secure generator (``os.urandom``) instead of torch's seeded ones, so that nobody who learns a seed or a
+            generator state can predict (and subtract) the noise. Not reproducible, cannot be combined with
+            ``seed``; noise draws about 10x slower on CPU (``benchmarks/noise_generation.py``)."""
 
 
 def _document_shared_args(cls: type) -> type:
@@ -101,6 +105,7 @@ class DPCallback(Callback):
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
+        secure_rng: bool = False,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, noise_multiplier)
         if isinstance(accountant, PrivacyAccountant):
@@ -119,6 +124,13 @@ class DPCallback(Callback):
             raise PrivacyConfigurationError(
                 f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}"
             )
+        if not isinstance(secure_rng, bool):
+            raise PrivacyConfigurationError(f"secure_rng must be True or False, got {secure_rng!r}")
+        if secure_rng and seed is not None:
+            raise PrivacyConfigurationError(
+                f"secure_rng=True draws from the operating system's secure generator, which cannot be seeded, but "
+                f"seed={seed} was passed: drop the seed (the run is then not reproducible) or set secure_rng=False"
+            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise PrivacyConfigurationError(f"seed must be an int or None, got {seed!r}")
         self.target_epsilon = float(target_epsilon)
@@ -128,6 +140,7 @@ class DPCallback(Callback):
         self.seed = seed
         self.log_nonprivate_diagnostics = log_nonprivate_diagnostics
         self.grad_sample_mode = grad_sample_mode
+        self.secure_rng = secure_rng
 
         self.accountant = (
             accountant if isinstance(accountant, PrivacyAccountant) else PrivacyAccountant(self.target_delta, accountant)
@@ -201,7 +214,7 @@ class DPCallback(Callback):
         self._strategy = self._install_strategy(trainer)
         seeds = torch.randint(0, 2**62, (2,)).tolist() if self.seed is None else [self.seed, self.seed + 1]
         self._strategy.configure_privacy(sampling_seed=seeds[0], noise_seed=seeds[1], loss_reduction=self.loss_reduction,
-                                         grad_sample_mode=self.grad_sample_mode)
+                                         grad_sample_mode=self.grad_sample_mode, secure_rng=self.secure_rng)
         self._strategy.collect_diagnostics = self.log_nonprivate_diagnostics
         if self.log_nonprivate_diagnostics:
             rank_zero_warn(
@@ -456,9 +469,10 @@ class OSODP(DPCallback):
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
+        secure_rng: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
         self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.lr_lr = check_number("lr_lr", lr_lr)
@@ -528,9 +542,10 @@ class FixedThresholdDP(DPCallback):
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
+        secure_rng: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
         self._clip = check_number("clip", clip, positive=True)
 
     @property
@@ -600,9 +615,10 @@ class FixedQuantileDP(DPCallback):
         seed: int | None = None,
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
+        secure_rng: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
         target_quantile = check_number("target_quantile", target_quantile, positive=True)
         if not target_quantile < 1:
             raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")

@@ -13,6 +13,9 @@ from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_oso import randomness
+from lightning_oso.randomness import SecureRandom
+
 
 class PoissonBatchSampler:
     """Yields ``steps`` batches of indices, each a Poisson sample of ``range(num_samples)`` at rate ``sample_rate``.
@@ -25,10 +28,11 @@ class PoissonBatchSampler:
         num_samples: ``N``, the size of the dataset.
         sample_rate: ``q``.
         steps: batches per epoch.
-        seed: base seed of the sampling randomness.
+        seed: base seed of the sampling randomness; ``None``: draw from the operating system's secure generator
+            (``randomness.SecureRandom``; not reproducible).
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, steps: int, seed: int) -> None:
+    def __init__(self, num_samples: int, sample_rate: float, steps: int, seed: int | None) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         if not 0 < sample_rate <= 1:
@@ -52,18 +56,22 @@ class PoissonBatchSampler:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+        if self.seed is None:
+            generator = SecureRandom()
+        else:
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
         for _ in range(self.steps):
-            mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
+            mask = randomness.uniform(self.num_samples, generator) < self.sample_rate
             yield mask.nonzero().flatten().tolist()
 
 
-def poisson_loader(loader: DataLoader, seed: int) -> DataLoader:
+def poisson_loader(loader: DataLoader, seed: int | None) -> DataLoader:
     """A copy of ``loader`` whose batches are Poisson samples at rate ``batch_size / len(dataset)``.
 
     The expected batch size is the loader's ``batch_size``; an epoch keeps the loader's number of batches. Workers,
     pinning, the collate function and the rest are kept; empty batches keep the structure of a real one (Opacus'
-    ``wrap_collate_with_empty``), so models see tensors with a zero batch dimension.
+    ``wrap_collate_with_empty``), so models see tensors with a zero batch dimension. ``seed=None`` samples from the
+    operating system's secure generator.
     """
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):

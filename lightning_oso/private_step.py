@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from lightning_oso.randomness import SecureRandom, standard_normal_like
+
 
 def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     """L2 norm of each sample's gradient flattened over all parameters: ``||g_i||``, shape ``[n]``."""
@@ -57,12 +59,12 @@ def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tenso
 
 
 def add_gaussian_noise(
-    sums: Sequence[Tensor], stds: Tensor, generator: torch.Generator | None = None
+    sums: Sequence[Tensor], stds: Tensor, generator: torch.Generator | SecureRandom | None = None
 ) -> list[Tensor]:
     """Add independent ``N(0, stds[k]^2 I)`` to row ``k`` of every parameter's sums (a new list; inputs untouched)."""
     noisy = []
     for s in sums:
-        noise = torch.empty_like(s).normal_(generator=generator)  # on s's device; normal_ beats randn on CPU
+        noise = standard_normal_like(s, generator)
         shape = (-1,) + (1,) * (s.dim() - 1)
         noisy.append(noise.mul_(stds.to(s.dtype).reshape(shape)).add_(s))  # in place: no temporaries
     return noisy
@@ -73,7 +75,7 @@ def sanitise(
     weights: Tensor,
     stds: Tensor,
     expected_batch_size: float,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | SecureRandom | None = None,
 ) -> list[Tensor]:
     """Weighted sums, Gaussian noise, and division by the expected batch size ``B = qN`` (never the actual size:
     that is private; spec section 0). Returns per parameter a ``[k, *param.shape]`` tensor of sanitised queries."""
@@ -81,7 +83,7 @@ def sanitise(
 
 
 def sanitise_sums(
-    sums: Sequence[Tensor], stds: Tensor, expected_batch_size: float, generator: torch.Generator | None = None
+    sums: Sequence[Tensor], stds: Tensor, expected_batch_size: float, generator: torch.Generator | SecureRandom | None = None
 ) -> list[Tensor]:
     """Gaussian noise on weighted sums however they were computed (per-sample path or book-keeping), then division
     by the expected batch size ``B = qN``."""
@@ -91,11 +93,11 @@ def sanitise_scalars(
     contributions: Tensor,
     stds: Tensor,
     expected_batch_size: float,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | SecureRandom | None = None,
 ) -> Tensor:
     """Scalar queries: ``(sum_i contributions[i, m] + N(0, stds[m]^2)) / B`` for every column ``m``, shape ``[m]``."""
     sums = contributions.sum(dim=0)
-    noise = torch.randn(sums.shape, generator=generator, device=sums.device, dtype=sums.dtype)
+    noise = standard_normal_like(sums, generator)
     return (sums + noise * stds.to(sums.dtype)) / expected_batch_size
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_oso import private_step
 from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
+from lightning_oso.randomness import SecureRandom
 
 #: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
@@ -53,7 +54,8 @@ class DPStrategy(SingleDeviceStrategy):
         super().__init__(device=device, **kwargs)
         self.rule = None  # the clipping rule; set by the DP callback before the first step
         self.sampling_seed: int | None = None
-        self.noise_generator: torch.Generator | None = None
+        self.secure_rng = False
+        self.noise_generator: torch.Generator | SecureRandom | None = None
         self.loss_reduction = "mean"
         self.num_samples: int | None = None
         self.expected_batch_size: float | None = None  # B = qN
@@ -80,20 +82,29 @@ class DPStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ configuration from the callback
     def configure_privacy(
-        self, sampling_seed: int, noise_seed: int, loss_reduction: str = "mean", grad_sample_mode: str = "book_keeping"
+        self,
+        sampling_seed: int | None,
+        noise_seed: int | None,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "book_keeping",
+        secure_rng: bool = False,
     ) -> None:
-        """Seeds of the sampling and noise randomness, the reduction of the user's loss over the batch, and how
-        per-sample norms and sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
+        """Seeds of the sampling and noise randomness (ignored with ``secure_rng``: both then come from the
+        operating system's CSPRNG), the reduction of the user's loss over the batch, and how per-sample norms and
+        sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
-        self.sampling_seed = sampling_seed
-        self.noise_generator = torch.Generator(device=self.root_device).manual_seed(noise_seed)
+        self.secure_rng = secure_rng
+        self.sampling_seed = None if secure_rng else sampling_seed
+        self.noise_generator = (
+            SecureRandom() if secure_rng else torch.Generator(device=self.root_device).manual_seed(noise_seed)
+        )
         self.loss_reduction = loss_reduction
         self.grad_sample_mode = grad_sample_mode
 
     @property
     def privacy_configured(self) -> bool:
-        return self.sampling_seed is not None
+        return self.noise_generator is not None
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -214,13 +225,17 @@ class DPStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ resume
     def privacy_state_dict(self) -> dict:
+        reproducible = isinstance(self.noise_generator, torch.Generator)
         return {
             "sampling_seed": self.sampling_seed,
-            "noise_generator": self.noise_generator.get_state() if self.noise_generator is not None else None,
+            "noise_generator": self.noise_generator.get_state() if reproducible else None,  # a CSPRNG has no state
         }
 
     def load_privacy_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sampling_seed = state["sampling_seed"]
+        if self.secure_rng:
+            return  # nothing to restore: the secure generator is never seeded
+        if state["sampling_seed"] is not None:  # None: the checkpoint's run drew from the secure generator
+            self.sampling_seed = state["sampling_seed"]
         if state["noise_generator"] is not None:
             self.noise_generator = torch.Generator(device=self.root_device)
             self.noise_generator.set_state(state["noise_generator"])
