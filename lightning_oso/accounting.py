@@ -104,12 +104,14 @@ def _integer_order_rdp(noise: float, rate: float) -> np.ndarray:
     a = _INTEGER_ORDERS[:, None].astype(float)
     k = np.arange(_INTEGER_ORDERS[-1] + 1)[None, :].astype(float)
     with np.errstate(divide="ignore", invalid="ignore"):
+        # (a - k) log(1 - q), with 0 * log(0) = 0: at q = 1 only the k = a term remains (the plain Gaussian)
+        log_not_sampled = np.where(a > k, (a - k) * (np.log1p(-rate) if rate < 1 else -np.inf), 0.0)
         log_terms = (
             gammaln(a + 1) - gammaln(k + 1) - gammaln(np.maximum(a - k, 0) + 1)
-            + (a - k) * (np.log1p(-rate) if rate < 1 else -np.inf) + k * math.log(rate)
+            + log_not_sampled + k * math.log(rate)
             + (k * k - k) / (2 * noise**2)
         )
-        log_terms = np.where(k <= a, np.nan_to_num(log_terms, nan=-np.inf), -np.inf)
+        log_terms = np.where(k <= a, log_terms, -np.inf)
     return logsumexp(log_terms, axis=1) / (a[:, 0] - 1)
 
 
@@ -188,7 +190,7 @@ def _subsampled_gaussian_prv(noise: float, rate: float):
             q, sigma = self.sample_rate, self.noise_multiplier
             t = np.asarray(t, dtype=float)
             out = np.zeros_like(t)
-            support = t > math.log1p(-q)
+            support = t > (math.log1p(-q) if q < 1 else -math.inf)  # q = 1: the plain Gaussian, support all t
             z = np.log((np.expm1(t[support]) + q) / q)
             scale = 2 * math.sqrt(2) * sigma
             out[support] = (

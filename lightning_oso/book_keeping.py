@@ -267,6 +267,17 @@ class BookKeeping:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
         self.layers = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        owners: dict[int, str] = {}
+        names = {id(m): name for name, m in module.named_modules()}
+        for layer in self.layers:
+            for p in layer.parameters(recurse=False):
+                if p.requires_grad and id(p) in owners:
+                    raise ValueError(
+                        f"layers {owners[id(p)]!r} and {names[id(layer)]!r} share a parameter: the book-keeping path "
+                        "computes per-sample norms layer by layer and cannot combine one parameter's gradients across "
+                        "layers. Pass grad_sample_mode='hooks' to the DP callback (Opacus' hooks add them up)."
+                    )
+                owners[id(p)] = names[id(layer)]
         self._inputs: dict[nn.Module, list[tuple]] = {}
         self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
         self._computed: dict[nn.Module, Any] | None = None

@@ -65,6 +65,7 @@ class DPStrategy(SingleDeviceStrategy):
         self._batch_size: int | None = None
         #: opt-in, non-private statistics of the last step (spec section 0); empty unless collect_diagnostics
         self.collect_diagnostics = False
+        self._verify_next_step = False
         self.diagnostics: dict[str, Tensor] = {}
 
     @classmethod
@@ -127,6 +128,7 @@ class DPStrategy(SingleDeviceStrategy):
         """Attach the per-sample hooks to the user's module (its class and forward stay as they are)."""
         if self._hooks is not None:
             return
+        self._verify_next_step = True  # the first non-empty step checks the per-sample gradients (see _verify)
         if self.grad_sample_mode == "book_keeping":
             self._hooks = BookKeeping(self.lightning_module, loss_reduction=self.loss_reduction)
             return
@@ -154,7 +156,8 @@ class DPStrategy(SingleDeviceStrategy):
         self._batch_size = _leading_dim(batch)
         if isinstance(self._hooks, BookKeeping):
             self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
-            self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
+            if not self._verify_next_step:  # the checked step keeps autograd's gradients to compare with
+                self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(
@@ -203,6 +206,9 @@ class DPStrategy(SingleDeviceStrategy):
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
+        if self._verify_next_step and not per_sample.empty:
+            self._verify(params, per_sample)
+            self._verify_next_step = False
         norms = per_sample.norms()
         weights = self.rule.weights(norms)
         if self.collect_diagnostics:
@@ -222,6 +228,34 @@ class DPStrategy(SingleDeviceStrategy):
                 contributions, self.rule.scalar_noise_stds(), self.expected_batch_size, self.noise_generator
             )
         return sanitised, scalars
+
+    def _verify(self, params: list[Tensor], per_sample: "_GradSampleSource | _BookKeepingSource") -> None:
+        """Once, on the first step: the per-sample gradients must add up to autograd's gradient of the loss.
+
+        They do not when a parameter is also used outside the forward of the layer that owns it (a tied weight read
+        directly: the hooks see only the layer's own use, so that part of the gradient would be silently lost).
+        Costs one extra sum and one host read, once. (A loss that is a sum where ``loss_reduction="mean"`` is
+        declared scales both sides alike and goes unnoticed here.)
+        """
+        n = per_sample.batch_size
+        ones = torch.ones(n, 1, dtype=params[0].dtype, device=params[0].device)
+        sums = per_sample.weighted_sums(ones)
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        for p, s in zip(params, sums):
+            expected = p.grad * scale if p.grad is not None else torch.zeros_like(p)
+            if not bool(torch.isfinite(expected).all()):
+                raise FloatingPointError(
+                    f"the gradient of parameter {names.get(id(p), tuple(p.shape))!r} is not finite (NaN or inf) in the "
+                    "first step: the step was not taken. Check the loss and the data for NaN/inf values."
+                )
+            if not torch.allclose(s[0].to(expected.dtype), expected, rtol=1e-3, atol=1e-5 * (1 + float(expected.abs().max()))):
+                raise RuntimeError(
+                    f"the per-sample gradients of parameter {names.get(id(p), tuple(p.shape))!r} do not add up to its "
+                    "gradient: it is also used outside the forward of the layer that owns it (a tied weight read "
+                    "directly, e.g. `x @ layer.weight`), and the per-sample hooks see only the layer's own use: "
+                    "call the layer instead, or give the other use its own layer."
+                )
 
     # ------------------------------------------------------------------ resume
     def privacy_state_dict(self) -> dict:
@@ -253,6 +287,7 @@ class _GradSampleSource:
             if isinstance(gs, list):
                 raise RuntimeError(_SEVERAL_BACKWARDS)
         self.empty = all(gs is None for gs in self.samples)
+        self.batch_size = next((gs.shape[0] for gs in self.samples if gs is not None), 0)
 
     def norms(self) -> Tensor:
         present = [gs for gs in self.samples if gs is not None]
@@ -284,6 +319,7 @@ class _BookKeepingSource:
         if hooks.several_backward_passes:
             raise RuntimeError(_SEVERAL_BACKWARDS)
         self.empty = hooks.batch_size is None
+        self.batch_size = hooks.batch_size or 0
 
     def norms(self) -> Tensor:
         if self.empty:

@@ -153,7 +153,7 @@ def test_fast_rdp_bound_is_the_integer_order_bound():
     rdp = np.array([_rdp_integer_order(q, sigma, a) for a in orders]) * steps
     eps_ind = np.min(rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders))
     assert accounting._fast_rdp_epsilon([(sigma, q, steps)], delta) == pytest.approx(eps_ind, rel=1e-9)
-    for history in PRV_CASES:
+    for history in PRV_CASES + [[(2.0, 1.0, 16)], [(1.0, 0.5, 40)]]:  # q = 1: only the k = a term remains
         assert accounting._fast_rdp_epsilon(history, delta) == pytest.approx(accounting.rdp_epsilon(history, delta), rel=0.05)
 
 
@@ -189,3 +189,22 @@ def test_accountant_state_roundtrip():
 def test_calibration_rejects_bad_budget(eps, delta):
     with pytest.raises(ValueError, match="target_"):
         calibrate_noise_multiplier(eps, delta, 0.01, 100)
+
+
+def test_prv_at_sample_rate_one_is_the_gaussian_mechanism():
+    """q = 1 (a batch larger than the dataset): the PRV accountant still answers, and agrees with the exact epsilon
+    of the composed Gaussian mechanism (T steps at nu = one step at nu / sqrt(T); Balle and Wang 2018)."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    nu, steps, delta = 2.0, 16, 1e-5
+    mu = steps**0.5 / nu  # the composition is mu-GDP
+
+    def gaussian_delta(eps):
+        return norm.cdf(-eps / mu + mu / 2) - np.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+
+    exact = brentq(lambda e: gaussian_delta(e) - delta, 0, 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to RDP
+        ours = accounting.prv_epsilon([(nu, 1.0, steps)], delta)
+    assert exact <= ours <= exact + 0.011

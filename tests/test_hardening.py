@@ -1,0 +1,98 @@
+"""Odd inputs (issue 5's hardening matrix, first part): each gets a clear error before harm, or a tested behaviour."""
+
+import pytest
+import torch
+from conftest import ToyModel, make_trainer, toy_data, toy_loader
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+from lightning_oso import OSODP
+from lightning_oso.validation import PrivacyConfigurationError
+
+
+def _dp(**kwargs):
+    return OSODP(target_epsilon=3.0, target_delta=1e-3, noise_multiplier=1.0, **kwargs)
+
+
+class DirectlyTied(ToyModel):
+    """``proj.weight`` is used by its layer and again read directly: the hooks see only the first use."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(10, 10, bias=False)
+
+    def forward(self, x):
+        return self.net(x @ self.proj.weight + self.proj(x))
+
+
+class SharedAcrossLayers(ToyModel):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(10, 10), nn.Linear(10, 10)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.net(self.b(torch.relu(self.a(x))))
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
+def test_weight_read_outside_its_layer_is_refused_before_the_first_step(mode):
+    model = DirectlyTied()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="'proj.weight' do not add up .* tied weight"):
+        make_trainer([_dp(grad_sample_mode=mode)], max_epochs=1).fit(model, toy_loader())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
+
+
+def test_parameter_shared_by_two_layers():
+    """The fast path refuses it at fit start, naming the layers and the fix; Opacus' hooks add the layers' per-sample
+    gradients up, and the first-step check confirms they match autograd's."""
+    with pytest.raises(ValueError, match="layers 'a' and 'b' share a parameter.*grad_sample_mode='hooks'"):
+        make_trainer([_dp()], max_epochs=1).fit(SharedAcrossLayers(), toy_loader())
+    dp = _dp(grad_sample_mode="hooks")
+    make_trainer([dp], max_epochs=1).fit(SharedAcrossLayers(), toy_loader())
+    assert dp.steps == 10
+
+
+def test_non_finite_gradient_in_the_first_step_is_refused():
+    class NaNInput(ToyModel):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            x = x.clone()
+            x[0] = float("nan")
+            return nn.functional.cross_entropy(self(x), y)
+
+    model = NaNInput()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FloatingPointError, match="not finite .* the step was not taken"):
+        make_trainer([_dp()], max_epochs=1).fit(model, toy_loader())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fit_twice_continues_the_accounting_and_the_budget():
+    """The callback's accountant carries over: a second fit spends on top of the first and stops at the budget."""
+    dp = OSODP(target_epsilon=2.0, target_delta=1e-3, noise_multiplier=1.0)
+    model = ToyModel()
+    make_trainer([dp], max_epochs=1).fit(model, toy_loader())
+    first_steps, first_eps = dp.steps, dp.epsilon
+    assert first_steps == 10
+    make_trainer([dp], max_epochs=20).fit(model, toy_loader())
+    assert dp.steps > first_steps and dp.epsilon > first_eps
+    assert dp.epsilon <= 2.0 < dp.accountant.epsilon(extra_steps=1)  # stopped at the budget, not at max_epochs
+    with pytest.raises(PrivacyConfigurationError, match="budget is already spent"):
+        make_trainer([dp], max_epochs=1).fit(model, toy_loader())
+
+
+def test_loader_with_its_own_batch_sampler_and_a_dataset_smaller_than_the_batch():
+    """A loader built from a batch_sampler keeps its batch size as the expected one; a batch larger than the dataset
+    samples every record at rate 1 (no amplification, and the accountant knows it)."""
+    data = toy_data()
+    dp = _dp()
+    loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 20, drop_last=False))
+    make_trainer([dp], max_epochs=1).fit(ToyModel(), loader)
+    assert dp.sample_rate == pytest.approx(20 / len(data)) and dp.steps == 10
+    small = OSODP(target_epsilon=3.0, target_delta=1e-3, noise_multiplier=4.0)
+    make_trainer([small], max_epochs=2).fit(ToyModel(), DataLoader(toy_data(n=10), batch_size=32))
+    assert small.sample_rate == 1.0 and small.steps == 2
+    # at q = 1 there is no amplification: the two steps are a plain Gaussian composition (mu-GDP, mu = sqrt(2) / 4)
+    assert small.epsilon > 0.3
