@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import ToyModel, make_trainer, toy_data, toy_loader
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 from lightning_oso import OSODP
 from lightning_oso.validation import PrivacyConfigurationError
@@ -96,3 +96,44 @@ def test_loader_with_its_own_batch_sampler_and_a_dataset_smaller_than_the_batch(
     assert small.sample_rate == 1.0 and small.steps == 2
     # at q = 1 there is no amplification: the two steps are a plain Gaussian composition (mu-GDP, mu = sqrt(2) / 4)
     assert small.epsilon > 0.3
+
+
+def test_empty_dataset_is_refused_with_its_reason():
+    data = TensorDataset(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="the training dataset is empty"):
+        make_trainer([_dp()], max_epochs=1).fit(ToyModel(), DataLoader(data, batch_size=4))
+
+
+def test_no_max_epochs_means_lightnings_default_plan():
+    """max_epochs=None with max_steps=-1: Lightning plans its default 1000 epochs (and warns); the noise is
+    calibrated for that plan and the budget holds."""
+    dp = OSODP(target_epsilon=3.0, target_delta=1e-3)
+    make_trainer([dp], max_epochs=None, max_steps=-1).fit(ToyModel(), toy_loader(n=20, batch_size=20))
+    assert dp.steps == 1000 and dp.epsilon <= 3.0
+
+
+def test_validation_and_test_loops_cost_no_privacy_and_keep_nothing():
+    """Evaluation runs without per-sample bookkeeping (no_grad: the hooks keep nothing) and leaves the accountant
+    alone."""
+
+    class Evaluated(ToyModel):
+        kept = []
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+            hooks = self.trainer.strategy._hooks
+            self.kept.append(None if hooks is None else len(hooks._inputs) + len(hooks._eager))
+
+        def test_step(self, batch, batch_idx):
+            self.validation_step(batch, batch_idx)
+
+    dp = _dp()
+    model = Evaluated()
+    trainer = make_trainer([dp], max_epochs=1)
+    trainer.fit(model, toy_loader(), toy_loader(seed=1))
+    steps, eps = dp.steps, dp.epsilon
+    trainer.validate(model, toy_loader(seed=2))
+    trainer.test(model, toy_loader(seed=3))
+    assert (dp.steps, dp.epsilon) == (steps, eps)
+    assert model.kept[0] == 0 and all(k in (0, None) for k in model.kept)  # during fit the hooks are attached
