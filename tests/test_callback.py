@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, DPStrategy, compute_epsilon
+from lightning_oso.randomness import SecureRandom
 
 
 def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
@@ -163,8 +164,10 @@ def test_resume_with_other_privacy_settings_is_refused(tmp_path):
         make_trainer([dp], max_epochs=2).fit(ToyModel(momentum=0.5), toy_loader(), ckpt_path=str(tmp_path / "epoch=0.ckpt"))
 
 
-def test_noise_scale_end_to_end():
-    """Zero gradients: one step moves the weights by pure noise of std lr * C_0 * nu_g / (qN)."""
+@pytest.mark.parametrize("secure_rng", [False, True])
+def test_noise_scale_end_to_end(secure_rng):
+    """Zero gradients: one step moves the weights by pure noise of std lr * C_0 * nu_g / (qN), from torch's generator
+    or from the operating system's secure one."""
 
     class ZeroLoss(ToyModel):
         def training_step(self, batch, batch_idx):
@@ -173,8 +176,9 @@ def test_noise_scale_end_to_end():
 
     model = ZeroLoss(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
     before = model.net[0].weight.detach().clone()
-    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1)
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1, secure_rng=secure_rng)
     make_trainer([dp], max_steps=1).fit(model, toy_loader(batch_size=20))
+    assert isinstance(dp._strategy.noise_generator, SecureRandom) == secure_rng
     delta = (model.net[0].weight.detach() - before).flatten()
     expected = 0.1 * dp.gradient_noise_multiplier / 20.0
     assert delta.std().item() == pytest.approx(expected, rel=5 / (2 * delta.numel()) ** 0.5)
