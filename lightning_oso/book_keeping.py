@@ -229,6 +229,14 @@ def _accumulate(grads: dict[nn.Parameter, Tensor], param: nn.Parameter | None, v
         grads[param] = grads[param] + value if param in grads else value
 
 
+def _aliases_only(module: nn.Module) -> bool:
+    """Whether every parameter ``module`` registers is also registered by one of its submodules: a container that
+    renames its children's parameters (Opacus' ``DPLSTM`` exposes ``l0.ih.weight`` as ``weight_ih_l0``). The
+    submodules compute; the container is not a layer of its own."""
+    inner = {id(p) for sub in module.modules() if sub is not module for p in sub.parameters(recurse=False)}
+    return all(id(p) in inner for p in module.parameters(recurse=False))
+
+
 def _fast_kind(layer: nn.Module):
     """The fast-path function for this layer, or ``None`` (Opacus fallback) where its options are not covered."""
     if type(layer) is nn.Linear:
@@ -266,7 +274,8 @@ class BookKeeping:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
-        self.layers = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.layers = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))
+                       and not _aliases_only(m)]
         owners: dict[int, str] = {}
         names = {id(m): name for name, m in module.named_modules()}
         for layer in self.layers:

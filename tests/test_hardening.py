@@ -137,3 +137,28 @@ def test_validation_and_test_loops_cost_no_privacy_and_keep_nothing():
     trainer.test(model, toy_loader(seed=3))
     assert (dp.steps, dp.epsilon) == (steps, eps)
     assert model.kept[0] == 0 and all(k in (0, None) for k in model.kept)  # during fit the hooks are attached
+
+
+def test_opacus_dp_lstm_trains_on_both_paths_alike():
+    """nn.LSTM is refused (test_errors); Opacus' DPLSTM, made of linear cells called once per time step, works on
+    the fast path (its RNNLinear cells go through Opacus' sampler, the calls summed) as on the hooks path."""
+    from opacus.layers import DPLSTM
+
+    class Recurrent(ToyModel):
+        def __init__(self):
+            super().__init__()
+            self.lstm = DPLSTM(5, 8, batch_first=True)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            out, _ = self.lstm(x.reshape(x.shape[0], 2, 5))
+            return self.head(out[:, -1])
+
+    results = []
+    for mode in ("book_keeping", "hooks"):
+        torch.manual_seed(0)
+        model = Recurrent()
+        make_trainer([_dp(seed=3, grad_sample_mode=mode)], max_epochs=1).fit(model, toy_loader())
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
