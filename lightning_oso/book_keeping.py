@@ -287,10 +287,14 @@ class BookKeeping:
                         "layers. Pass grad_sample_mode='hooks' to the DP callback (Opacus' hooks add them up)."
                     )
                 owners[id(p)] = names[id(layer)]
+        #: ids of every parameter the hooked layers own: those this object can give sums for
+        self.covered = set(owners)
+        # what computes each layer's part: decided once, not per step
+        self._kinds = {layer: _fast_kind(layer) for layer in self.layers}
         self._inputs: dict[nn.Module, list[tuple]] = {}
         self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
         self._computed: dict[nn.Module, Any] | None = None
-        self._frozen: list[nn.Parameter] | None = None
+        self._frozen: dict[nn.Module, list[nn.Parameter]] | None = None  # per layer, while frozen
         self._computing = False
         self._anchors: dict[tuple, Tensor] = {}
         self.clear()
@@ -300,7 +304,7 @@ class BookKeeping:
     def parameters(self) -> list[nn.Parameter]:
         """The trainable parameters of the hooked layers (frozen ones included, see :meth:`freeze`)."""
         if self._frozen is not None:
-            return list(self._frozen)
+            return [p for params in self._frozen.values() for p in params]
         return [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
 
     def remove(self) -> None:
@@ -325,16 +329,20 @@ class BookKeeping:
         layers' outputs are made to require gradients so that backward still reaches every one of them.
         """
         if self._frozen is None:
-            self._frozen = self.parameters
-            self._frozen_ids = {id(p) for p in self._frozen}
-            for p in self._frozen:
-                p.requires_grad_(False)
+            self._frozen = {
+                layer: [p for p in layer.parameters(recurse=False) if p.requires_grad] for layer in self.layers
+            }
+            self._set_requires_grad(self.parameters, False)
 
     def unfreeze(self) -> None:
         if self._frozen is not None:
-            for p in self._frozen:
-                p.requires_grad_(True)
+            self._set_requires_grad(self.parameters, True)
             self._frozen = None
+
+    @staticmethod
+    def _set_requires_grad(params: Iterable[nn.Parameter], value: bool) -> None:
+        for p in params:
+            p.requires_grad_(value)
 
     def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> Tensor | None:
         if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
@@ -375,20 +383,19 @@ class BookKeeping:
     def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Any:
         # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
         # of this layer's parameters while its part is computed
-        frozen = [p for p in layer.parameters(recurse=False) if self._frozen is not None and id(p) in self._frozen_ids]
+        frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
+        kind = self._kinds[layer]
         self._computing = True
         try:
-            for p in frozen:
-                p.requires_grad_(True)
+            self._set_requires_grad(frozen, True)
             with torch.no_grad():
-                if _fast_kind(layer) is None:
+                if kind is None:
                     return _opacus_fallback(layer, inputs, backprops)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
                 inputs = [tuple(_at_least_float32(x) for x in call) for call in inputs]
-                return _fast_kind(layer)(layer, inputs, [_at_least_float32(g) for g in backprops])
+                return kind(layer, inputs, [_at_least_float32(g) for g in backprops])
         finally:
-            for p in frozen:
-                p.requires_grad_(False)
+            self._set_requires_grad(frozen, False)
             self._computing = False
 
     # --- what the private step asks

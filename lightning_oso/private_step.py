@@ -83,11 +83,15 @@ def sanitise(
 
 
 def sanitise_sums(
-    sums: Sequence[Tensor], stds: Tensor, expected_batch_size: float, generator: torch.Generator | SecureRandom | None = None
+    sums: Sequence[Tensor],
+    stds: Tensor,
+    expected_batch_size: float,
+    generator: torch.Generator | SecureRandom | None = None,
 ) -> list[Tensor]:
     """Gaussian noise on weighted sums however they were computed (per-sample path or book-keeping), then division
     by the expected batch size ``B = qN``."""
     return [s.div_(expected_batch_size) for s in add_gaussian_noise(sums, stds, generator)]  # fresh tensors
+
 
 def sanitise_scalars(
     contributions: Tensor,

@@ -54,7 +54,6 @@ class DPStrategy(SingleDeviceStrategy):
         super().__init__(device=device, **kwargs)
         self.rule = None  # the clipping rule; set by the DP callback before the first step
         self.sampling_seed: int | None = None
-        self.secure_rng = False
         self.noise_generator: torch.Generator | SecureRandom | None = None
         self.loss_reduction = "mean"
         self.num_samples: int | None = None
@@ -95,7 +94,6 @@ class DPStrategy(SingleDeviceStrategy):
         sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
-        self.secure_rng = secure_rng
         self.sampling_seed = None if secure_rng else sampling_seed
         self.noise_generator = (
             SecureRandom() if secure_rng else torch.Generator(device=self.root_device).manual_seed(noise_seed)
@@ -259,14 +257,14 @@ class DPStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ resume
     def privacy_state_dict(self) -> dict:
-        reproducible = isinstance(self.noise_generator, torch.Generator)
+        secure = isinstance(self.noise_generator, SecureRandom)
         return {
             "sampling_seed": self.sampling_seed,
-            "noise_generator": self.noise_generator.get_state() if reproducible else None,  # a CSPRNG has no state
+            "noise_generator": None if secure or self.noise_generator is None else self.noise_generator.get_state(),
         }
 
     def load_privacy_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self.secure_rng:
+        if isinstance(self.noise_generator, SecureRandom):
             return  # nothing to restore: the secure generator is never seeded
         if state["sampling_seed"] is not None:  # None: the checkpoint's run drew from the secure generator
             self.sampling_seed = state["sampling_seed"]
@@ -286,13 +284,13 @@ class _GradSampleSource:
                 raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))
             if isinstance(gs, list):
                 raise RuntimeError(_SEVERAL_BACKWARDS)
-        self.empty = all(gs is None for gs in self.samples)
-        self.batch_size = next((gs.shape[0] for gs in self.samples if gs is not None), 0)
+        self.present = [gs for gs in self.samples if gs is not None]
+        self.empty = not self.present
+        self.batch_size = self.present[0].shape[0] if self.present else 0
 
     def norms(self) -> Tensor:
-        present = [gs for gs in self.samples if gs is not None]
-        if present:
-            return private_step.per_sample_norms(present)
+        if self.present:
+            return private_step.per_sample_norms(self.present)
         return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
@@ -312,14 +310,13 @@ class _BookKeepingSource:
 
     def __init__(self, hooks: BookKeeping, params: list[Tensor]) -> None:
         self.hooks, self.params = hooks, params
-        covered = set(hooks.parameters)
         for p in params:
-            if p not in covered and p.grad is not None:
+            if id(p) not in hooks.covered and p.grad is not None:
                 raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))
         if hooks.several_backward_passes:
             raise RuntimeError(_SEVERAL_BACKWARDS)
-        self.empty = hooks.batch_size is None
         self.batch_size = hooks.batch_size or 0
+        self.empty = hooks.batch_size is None
 
     def norms(self) -> Tensor:
         if self.empty:
