@@ -115,8 +115,8 @@ class DPStrategy(SingleDeviceStrategy):
             raise TypeError(
                 f"the training data must come from a torch DataLoader to be Poisson-sampled; got {type(dataloader).__name__}"
             )
-        self.num_samples = len(dataloader.dataset)
         loader = poisson_loader(dataloader, seed=self.sampling_seed)
+        self.num_samples = loader.batch_sampler.num_samples
         self.sample_rate = loader.batch_sampler.sample_rate
         self.expected_batch_size = self.sample_rate * self.num_samples  # B = qN (spec section 0)
         return loader
@@ -208,6 +208,10 @@ class DPStrategy(SingleDeviceStrategy):
             self._verify(params, per_sample)
             self._verify_next_step = False
         norms = per_sample.norms()
+        # a NaN/inf per-sample gradient has a NaN/inf norm; its sensitivity is unbounded, so such a step must not be
+        # released (not even noised over). The flag is read only after the sums and noise are queued (below), so on a
+        # GPU the device keeps working while the host waits: one host read per step, the price of refusing the step.
+        finite = torch.isfinite(norms).all()
         weights = self.rule.weights(norms)
         if self.collect_diagnostics:
             self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
@@ -216,6 +220,12 @@ class DPStrategy(SingleDeviceStrategy):
         sums = per_sample.weighted_sums(weights)
         sanitised = private_step.sanitise_sums(sums, self.rule.noise_stds(), self.expected_batch_size,
                                                self.noise_generator)
+        if not bool(finite):
+            per_sample.release()
+            raise FloatingPointError(_NON_FINITE.format(
+                count=int((~torch.isfinite(norms)).sum()), size=norms.shape[0],
+                step=self.lightning_module.trainer.global_step,
+            ))
         for p, s in zip(params, sanitised):
             p.grad = s[self.rule.GRADIENT].to(p.dtype)
         per_sample.release()
@@ -335,6 +345,12 @@ _NO_PER_SAMPLE = (
     "LightningModule, or it is used outside the forward of the layer that owns it (e.g. a tied weight read "
     "directly), where no per-sample hook can see it. Every optimised parameter must belong to a layer with "
     "per-sample gradients."
+)
+_NON_FINITE = (
+    "the per-sample gradients of {count} of the {size} samples in training step {step} are not finite (NaN or inf): "
+    "the step was refused and training stopped, so no parameter, optimizer state or C_t was changed by it and "
+    "nothing was released (noising a NaN/inf over would not be private: its sensitivity is unbounded). Check the loss "
+    "and the data for NaN/inf values or lower the learning rate; a checkpoint from before this step resumes cleanly."
 )
 _SEVERAL_BACKWARDS = (
     "several backward passes before one optimizer step (gradient accumulation or a training_step calling backward "

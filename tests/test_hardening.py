@@ -69,6 +69,30 @@ def test_non_finite_gradient_in_the_first_step_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
+def test_non_finite_gradient_in_a_later_step_stops_training_before_the_step(mode):
+    """A NaN in step 4 (one sample's input): the step is refused, nothing of it is applied or released (parameters,
+    C_t and rho_t are those after step 3, the accountant holds 3 steps), and the error says what happened."""
+
+    class NaNAtStepFour(ToyModel):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.trainer.global_step == 3:
+                self.snapshot = [p.detach().clone() for p in self.parameters()]
+                x = x.clone()
+                x[0] = float("inf")
+            return nn.functional.cross_entropy(self(x), y)
+
+    model = NaNAtStepFour()
+    dp = _dp(grad_sample_mode=mode)
+    with pytest.raises(FloatingPointError, match=r"1 of the \d+ samples in training step 3 are not finite .* refused"):
+        make_trainer([dp], max_epochs=1).fit(model, toy_loader())
+    assert dp.steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.snapshot, model.parameters()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.isfinite(dp.rule.clip) and dp.rule.clip != dp.initial_clip  # C_t moved in steps 2-3, not in 4
+
+
 def test_fit_twice_continues_the_accounting_and_the_budget():
     """The callback's accountant carries over: a second fit spends on top of the first and stops at the budget."""
     dp = OSODP(target_epsilon=2.0, target_delta=1e-3, noise_multiplier=1.0)
@@ -162,3 +186,33 @@ def test_opacus_dp_lstm_trains_on_both_paths_alike():
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
+def test_frozen_parameters_stay_frozen_and_cost_nothing(mode):
+    """A frozen first layer (fine-tuning a head): it is neither clipped, noised nor moved; the head trains, and
+    both paths agree."""
+    results = []
+    for grad_sample_mode in (mode, "hooks"):
+        torch.manual_seed(0)
+        model = ToyModel()
+        model.net[0].requires_grad_(False)
+        frozen = [p.detach().clone() for p in model.net[0].parameters()]
+        head = [p.detach().clone() for p in model.net[2].parameters()]
+        make_trainer([_dp(seed=5, grad_sample_mode=grad_sample_mode)], max_epochs=1).fit(model, toy_loader())
+        assert all(torch.equal(a, b) and b.grad is None for a, b in zip(frozen, model.net[0].parameters()))
+        assert not any(torch.equal(a, b) for a, b in zip(head, model.net[2].parameters()))
+        results.append([p.detach().clone() for p in model.net[2].parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_iterable_dataset_is_refused_through_the_trainer():
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(toy_data())
+
+    with pytest.raises(ValueError, match="IterableDataset, which cannot be Poisson-sampled .* map-style"):
+        make_trainer([_dp()], max_epochs=1).fit(ToyModel(), DataLoader(Stream(), batch_size=20))
