@@ -1,7 +1,7 @@
 """One private step as pure functions on tensors (spec section 1, steps 2-4).
 
 per-sample gradients -> per-sample norms -> weights (from the clipping rule) -> weighted sums -> Gaussian noise
--> division by the expected batch size.
+-> (sum across processes, in the strategy) -> division by the expected batch size.
 
 Every function here stays on the device of its inputs and never reads a value back to the host, so a step costs
 no synchronisation.
@@ -70,6 +70,12 @@ def add_gaussian_noise(
     return noisy
 
 
+def average(sums: Sequence[Tensor], expected_batch_size: float) -> list[Tensor]:
+    """Division by the expected batch size ``B = qN``, never the actual one: that is private (spec section 0). In
+    place: the sums are the noisy ones, fresh tensors of the step."""
+    return [s.div_(expected_batch_size) for s in sums]
+
+
 def sanitise(
     grad_samples: Sequence[Tensor],
     weights: Tensor,
@@ -77,32 +83,10 @@ def sanitise(
     expected_batch_size: float,
     generator: torch.Generator | SecureRandom | None = None,
 ) -> list[Tensor]:
-    """Weighted sums, Gaussian noise, and division by the expected batch size ``B = qN`` (never the actual size:
-    that is private; spec section 0). Returns per parameter a ``[k, *param.shape]`` tensor of sanitised queries."""
-    return sanitise_sums(weighted_sums(grad_samples, weights), stds, expected_batch_size, generator)
-
-
-def sanitise_sums(
-    sums: Sequence[Tensor],
-    stds: Tensor,
-    expected_batch_size: float,
-    generator: torch.Generator | SecureRandom | None = None,
-) -> list[Tensor]:
-    """Gaussian noise on weighted sums however they were computed (per-sample path or book-keeping), then division
-    by the expected batch size ``B = qN``."""
-    return [s.div_(expected_batch_size) for s in add_gaussian_noise(sums, stds, generator)]  # fresh tensors
-
-
-def sanitise_scalars(
-    contributions: Tensor,
-    stds: Tensor,
-    expected_batch_size: float,
-    generator: torch.Generator | SecureRandom | None = None,
-) -> Tensor:
-    """Scalar queries: ``(sum_i contributions[i, m] + N(0, stds[m]^2)) / B`` for every column ``m``, shape ``[m]``."""
-    sums = contributions.sum(dim=0)
-    noise = standard_normal_like(sums, generator)
-    return (sums + noise * stds.to(sums.dtype)) / expected_batch_size
+    """One process's whole release: weighted sums, Gaussian noise, division by ``B``. Returns per parameter a
+    ``[k, *param.shape]`` tensor of sanitised queries. (The strategy runs the same steps with the sum across
+    processes between noise and division.)"""
+    return average(add_gaussian_noise(weighted_sums(grad_samples, weights), stds, generator), expected_batch_size)
 
 
 def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:

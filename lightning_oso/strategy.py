@@ -14,6 +14,10 @@ It owns the mechanics of a private step, in the order of spec section 1:
 The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
 the accounting. ``Trainer(callbacks=[OSODP(...)])`` installs this strategy by itself on a single device;
 ``Trainer(strategy=DPStrategy(), callbacks=[OSODP(...)])`` is the explicit form.
+
+All of this lives in :class:`PrivateTraining`, which knows one thing of several processes: their sums are added
+up (``sum_across_processes``) before the division by ``B``, and only rank 0 adds noise. On one device both are
+trivial; ``lightning_oso.ddp.DPDDPStrategy`` puts the same mechanics on Lightning's DDP.
 """
 
 from __future__ import annotations
@@ -36,22 +40,15 @@ from lightning_oso.randomness import SecureRandom
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
 
 
-class DPStrategy(SingleDeviceStrategy):
-    """Single-device strategy running the private step of the attached DP callback.
+class PrivateTraining:
+    """The private step, as a mixin for a Lightning ``Strategy`` (single device, or one process of DDP).
 
-    Args:
-        device: the device to train on (as for ``SingleDeviceStrategy``); by default the accelerator's.
-        **kwargs: passed to ``SingleDeviceStrategy``.
-
-    Example::
-
-        trainer = L.Trainer(strategy=DPStrategy(), callbacks=[OSODP(target_epsilon=3.0)])
+    It relies on the strategy's ``global_rank`` and ``world_size``: each process Poisson-samples its own shard of
+    the records, the weighted sums of all processes are added up, and rank 0 alone adds the noise, so every Gaussian
+    is added once globally and every process ends the step with the same sanitised values.
     """
 
-    strategy_name = "dp_single_device"
-
-    def __init__(self, device: str | torch.device = "cpu", **kwargs: Any) -> None:
-        super().__init__(device=device, **kwargs)
+    def _init_privacy(self) -> None:
         self.rule = None  # the clipping rule; set by the DP callback before the first step
         self.sampling_seed: int | None = None
         self.noise_generator: torch.Generator | SecureRandom | None = None
@@ -67,18 +64,22 @@ class DPStrategy(SingleDeviceStrategy):
         self._verify_next_step = False
         self.diagnostics: dict[str, Tensor] = {}
 
-    @classmethod
-    def from_single_device(cls, strategy: SingleDeviceStrategy) -> "DPStrategy":
-        """A DPStrategy that takes over a connected ``SingleDeviceStrategy`` (device, accelerator, precision, IO)."""
-        new = cls(
-            device=strategy.root_device,
-            accelerator=strategy.accelerator,
-            checkpoint_io=strategy._checkpoint_io,
-            precision_plugin=strategy._precision_plugin,
-        )
-        if strategy.lightning_module is not None:
-            new.connect(strategy.lightning_module)
-        return new
+    @property
+    def adds_noise(self) -> bool:
+        """Whether this process draws the noise: rank 0 only, so each Gaussian is added once globally."""
+        return self.global_rank == 0
+
+    def sum_across_processes(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The sums of all processes (in place; identity on one process): one all-reduce per dtype."""
+        if self.world_size == 1:
+            return tensors
+        for dtype in {t.dtype for t in tensors}:
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            torch.distributed.all_reduce(flat)
+            for t, chunk in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(chunk.view_as(t))
+        return tensors
 
     # ------------------------------------------------------------------ configuration from the callback
     def configure_privacy(
@@ -115,10 +116,10 @@ class DPStrategy(SingleDeviceStrategy):
             raise TypeError(
                 f"the training data must come from a torch DataLoader to be Poisson-sampled; got {type(dataloader).__name__}"
             )
-        loader = poisson_loader(dataloader, seed=self.sampling_seed)
+        loader = poisson_loader(dataloader, seed=self.sampling_seed, rank=self.global_rank, world_size=self.world_size)
         self.num_samples = loader.batch_sampler.num_samples
         self.sample_rate = loader.batch_sampler.sample_rate
-        self.expected_batch_size = self.sample_rate * self.num_samples  # B = qN (spec section 0)
+        self.expected_batch_size = self.sample_rate * self.num_samples  # B = qN over all processes (spec section 0)
         return loader
 
     # ------------------------------------------------------------------ hooks
@@ -204,46 +205,64 @@ class DPStrategy(SingleDeviceStrategy):
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
+        problem = None  # the first step's check; its refusal is decided below, together with the other processes
         if self._verify_next_step and not per_sample.empty:
-            self._verify(params, per_sample)
+            problem = self._verify(params, per_sample)
             self._verify_next_step = False
         norms = per_sample.norms()
-        # a NaN/inf per-sample gradient has a NaN/inf norm; its sensitivity is unbounded, so such a step must not be
-        # released (not even noised over). The flag is read only after the sums and noise are queued (below), so on a
-        # GPU the device keeps working while the host waits: one host read per step, the price of refusing the step.
-        finite = torch.isfinite(norms).all()
         weights = self.rule.weights(norms)
         if self.collect_diagnostics:
             self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
         # parameters not used in this step get zero sums, still noised: whether a parameter was used may depend on
         # the data
         sums = per_sample.weighted_sums(weights)
-        sanitised = private_step.sanitise_sums(sums, self.rule.noise_stds(), self.expected_batch_size,
-                                               self.noise_generator)
-        if not bool(finite):
-            per_sample.release()
-            raise FloatingPointError(_NON_FINITE.format(
-                count=int((~torch.isfinite(norms)).sum()), size=norms.shape[0],
-                step=self.lightning_module.trainer.global_step,
-            ))
-        for p, s in zip(params, sanitised):
-            p.grad = s[self.rule.GRADIENT].to(p.dtype)
         per_sample.release()
         contributions = self.rule.scalar_queries(norms)
-        scalars = None
-        if contributions is not None:
-            scalars = private_step.sanitise_scalars(
-                contributions, self.rule.scalar_noise_stds(), self.expected_batch_size, self.noise_generator
-            )
+        scalar_sums = [contributions.sum(dim=0)] if contributions is not None else []
+        # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
+        # released, not even noised over. The count travels with the sums, so every process refuses the same step.
+        status = torch.stack([(~torch.isfinite(norms)).sum().to(norms.dtype), norms.new_tensor(problem is not None)])
+        noisy = self.add_noise(sums, self.rule.noise_stds())
+        noisy_scalars = self.add_noise(scalar_sums, self.rule.scalar_noise_stds()) if scalar_sums else []
+        totals = self.sum_across_processes([*noisy, *noisy_scalars, status])
+        # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while
+        # the host waits)
+        if bool(status.any()):
+            self._refuse_step(problem, int(status[0]), norms.shape[0])
+        sanitised = private_step.average(totals[: len(sums)], self.expected_batch_size)
+        for p, s in zip(params, sanitised):
+            p.grad = s[self.rule.GRADIENT].to(p.dtype)
+        scalars = private_step.average(totals[len(sums) : -1], self.expected_batch_size)[0] if scalar_sums else None
         return sanitised, scalars
 
-    def _verify(self, params: list[Tensor], per_sample: "_GradSampleSource | _BookKeepingSource") -> None:
+    def add_noise(self, sums: list[Tensor], stds: Tensor) -> list[Tensor]:
+        """Gaussian noise ``N(0, stds[k]^2)`` on row ``k`` of every sum, drawn by rank 0 only: the other processes add
+        nothing, so after the sum across processes each Gaussian is there exactly once."""
+        if not self.adds_noise:
+            return sums
+        return private_step.add_gaussian_noise(sums, stds, self.noise_generator)
+
+    def _refuse_step(self, problem: tuple[type, str] | None, nonfinite: int, size: int) -> None:
+        if problem is not None:
+            raise problem[0](problem[1])
+        step = self.lightning_module.trainer.global_step
+        if nonfinite:
+            raise FloatingPointError(_NON_FINITE.format(count=nonfinite, size=size, step=step))
+        raise FloatingPointError(
+            f"training step {step} was refused by another process (non-finite per-sample gradients, or its first-step "
+            "check failed; its error says which): no process applied it"
+        )
+
+    def _verify(
+        self, params: list[Tensor], per_sample: "_GradSampleSource | _BookKeepingSource"
+    ) -> tuple[type, str] | None:
         """Once, on the first step: the per-sample gradients must add up to autograd's gradient of the loss.
 
         They do not when a parameter is also used outside the forward of the layer that owns it (a tied weight read
         directly: the hooks see only the layer's own use, so that part of the gradient would be silently lost).
         Costs one extra sum and one host read, once. (A loss that is a sum where ``loss_reduction="mean"`` is
-        declared scales both sides alike and goes unnoticed here.)
+        declared scales both sides alike and goes unnoticed here.) Returns the error to raise, or ``None``: the
+        step is refused on every process together (``privatise``).
         """
         n = per_sample.batch_size
         ones = torch.ones(n, 1, dtype=params[0].dtype, device=params[0].device)
@@ -253,17 +272,18 @@ class DPStrategy(SingleDeviceStrategy):
         for p, s in zip(params, sums):
             expected = p.grad * scale if p.grad is not None else torch.zeros_like(p)
             if not bool(torch.isfinite(expected).all()):
-                raise FloatingPointError(
+                return FloatingPointError, (
                     f"the gradient of parameter {names.get(id(p), tuple(p.shape))!r} is not finite (NaN or inf) in the "
                     "first step: the step was not taken. Check the loss and the data for NaN/inf values."
                 )
             if not torch.allclose(s[0].to(expected.dtype), expected, rtol=1e-3, atol=1e-5 * (1 + float(expected.abs().max()))):
-                raise RuntimeError(
+                return RuntimeError, (
                     f"the per-sample gradients of parameter {names.get(id(p), tuple(p.shape))!r} do not add up to its "
                     "gradient: it is also used outside the forward of the layer that owns it (a tied weight read "
                     "directly, e.g. `x @ layer.weight`), and the per-sample hooks see only the layer's own use: "
                     "call the layer instead, or give the other use its own layer."
                 )
+        return None
 
     # ------------------------------------------------------------------ resume
     def privacy_state_dict(self) -> dict:
@@ -281,6 +301,38 @@ class DPStrategy(SingleDeviceStrategy):
         if state["noise_generator"] is not None:
             self.noise_generator = torch.Generator(device=self.root_device)
             self.noise_generator.set_state(state["noise_generator"])
+
+
+class DPStrategy(PrivateTraining, SingleDeviceStrategy):
+    """Single-device strategy running the private step of the attached DP callback.
+
+    Args:
+        device: the device to train on (as for ``SingleDeviceStrategy``); by default the accelerator's.
+        **kwargs: passed to ``SingleDeviceStrategy``.
+
+    Example::
+
+        trainer = L.Trainer(strategy=DPStrategy(), callbacks=[OSODP(target_epsilon=3.0)])
+    """
+
+    strategy_name = "dp_single_device"
+
+    def __init__(self, device: str | torch.device = "cpu", **kwargs: Any) -> None:
+        super().__init__(device=device, **kwargs)
+        self._init_privacy()
+
+    @classmethod
+    def from_single_device(cls, strategy: SingleDeviceStrategy) -> "DPStrategy":
+        """A DPStrategy that takes over a connected ``SingleDeviceStrategy`` (device, accelerator, precision, IO)."""
+        new = cls(
+            device=strategy.root_device,
+            accelerator=strategy.accelerator,
+            checkpoint_io=strategy._checkpoint_io,
+            precision_plugin=strategy._precision_plugin,
+        )
+        if strategy.lightning_module is not None:
+            new.connect(strategy.lightning_module)
+        return new
 
 
 class _GradSampleSource:

@@ -69,3 +69,34 @@ def test_iterable_dataset_refused():
 def test_sampler_rejects_bad_arguments(args):
     with pytest.raises(ValueError):
         PoissonBatchSampler(*args, seed=0)
+
+
+def test_shards_of_several_processes_together_are_one_poisson_sample():
+    """Three processes each sample their shard: the shards partition the records, and the union of the three batches
+    of a step is a Poisson sample of the whole dataset at rate q (binomial size, every record at rate q, the
+    processes' draws independent)."""
+    n, q, steps, world = 600, 0.05, 3000, 3
+    samplers = [PoissonBatchSampler(n, q, steps, seed=3, rank=r, world_size=world) for r in range(world)]
+    per_rank = [list(s) for s in samplers]
+    for r, batches in enumerate(per_rank):
+        assert all(i % world == r for b in batches for i in b)  # only its own shard
+    union = [sum(parts, []) for parts in zip(*per_rank)]
+    sizes = np.array([len(b) for b in union])
+    assert sizes.mean() == pytest.approx(n * q, abs=5 * np.sqrt(n * q * (1 - q) / steps))
+    assert sizes.var() == pytest.approx(n * q * (1 - q), rel=0.15)
+    per_record = np.bincount(np.concatenate([np.array(b, dtype=int) for b in union]), minlength=n) / steps
+    assert per_record.std() == pytest.approx(np.sqrt(q * (1 - q) / steps), rel=0.2)
+    rank_sizes = np.array([[len(b) for b in batches] for batches in per_rank])
+    correlation = np.corrcoef(rank_sizes)
+    assert np.abs(correlation[np.triu_indices(world, 1)]).max() < 5 / np.sqrt(steps)  # independent streams
+    # rank 0 of one process is the single-process sampler
+    assert list(PoissonBatchSampler(n, q, 5, seed=3, rank=0, world_size=1)) == list(PoissonBatchSampler(n, q, 5, 3))
+
+
+def test_distributed_loader_has_the_global_rate_and_the_same_steps_everywhere():
+    ds = TensorDataset(torch.randn(100, 2))
+    loaders = [poisson_loader(DataLoader(ds, batch_size=8), seed=0, rank=r, world_size=4) for r in range(4)]
+    assert all(dl.batch_sampler.sample_rate == pytest.approx(32 / 100) for dl in loaders)
+    assert {len(dl) for dl in loaders} == {4}  # ceil(100 / 32)
+    with pytest.raises(ValueError, match="rank must lie in"):
+        PoissonBatchSampler(10, 0.1, 1, seed=0, rank=2, world_size=2)

@@ -91,7 +91,8 @@ def test_quantile_update_and_count_noise():
     norms = torch.ones(10, dtype=torch.float64) * 5  # all clipped at C ~ 0.9
     contributions = rule.scalar_queries(norms).expand(10, 100_000).contiguous()
     gen = torch.Generator().manual_seed(0)
-    released = private_step.sanitise_scalars(contributions, rule.scalar_noise_stds().expand(100_000), 10.0, gen)
+    noisy = private_step.add_gaussian_noise([contributions.sum(dim=0)], rule.scalar_noise_stds().expand(100_000), gen)
+    released = private_step.average(noisy, 10.0)[0]
     assert released.mean().item() == pytest.approx(-0.5, abs=5 * 0.2 / math.sqrt(1e5))
     assert released.std().item() == pytest.approx(2.0 / 10.0, rel=5 / math.sqrt(2e5))
 
