@@ -9,6 +9,7 @@ from lightning_oso.accounting import (
 )
 from lightning_oso.callbacks import OSODP, DPCallback, FixedQuantileDP, FixedThresholdDP
 from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
+from lightning_oso.ddp import DPDDPStrategy
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.search import HonestGridSearch, SearchResult
@@ -20,6 +21,7 @@ __all__ = [
     "ClippingRule",
     "DPAdamWOSM",
     "DPCallback",
+    "DPDDPStrategy",
     "DPStrategy",
     "FixedQuantileClipping",
     "FixedQuantileDP",

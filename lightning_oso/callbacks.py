@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_oso.accounting import (
@@ -28,7 +28,7 @@ from lightning_oso.accounting import (
 )
 from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
 from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy
+from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     PrivacyConfigurationError,
     check_budget_arguments,
@@ -72,12 +72,13 @@ def _document_shared_args(cls: type) -> type:
 
 @_document_shared_args
 class DPCallback(Callback):
-    r"""What every DP method shares: Poisson sampling, per-sample clipping and noise through :class:`DPStrategy`,
-    accounting, the budget stop, logging and resume. A method subclasses it and implements :meth:`make_rule`
-    (and, if it has optimizer restrictions, :meth:`check_optimizer`).
+    r"""What every DP method shares: Poisson sampling, per-sample clipping and noise through :class:`DPStrategy`
+    (or :class:`~lightning_oso.DPDDPStrategy` on several processes), accounting, the budget stop, logging and
+    resume. A method subclasses it and implements :meth:`make_rule` (and, if it has optimizer restrictions,
+    :meth:`check_optimizer`).
 
     The training data is Poisson-sampled at rate ``q = batch_size / len(dataset)`` (the DataLoader's batch size
-    becomes the *expected* batch size), per-sample gradients are clipped, noised and averaged over the expected
+    becomes the *expected* batch size; under DDP it is per process, and ``q`` is ``devices`` times larger), per-sample gradients are clipped, noised and averaged over the expected
     batch size, and the privacy spent is accounted per step under add/remove-one adjacency. Training stops before
     the step that would push epsilon over ``target_epsilon``.
 
@@ -148,7 +149,7 @@ class DPCallback(Callback):
         self.rule: ClippingRule | None = None
         self.max_steps: int | None = None  # the most steps the accountant's history may hold (set at train start)
         self.stop_reason: str | None = None
-        self._strategy: DPStrategy | None = None
+        self._strategy: PrivateTraining | None = None
         self._restored: dict | None = None
         self._epsilon_cache: tuple[int, float] | None = None
 
@@ -213,6 +214,7 @@ class DPCallback(Callback):
         validate_trainer(trainer)
         self._strategy = self._install_strategy(trainer)
         seeds = torch.randint(0, 2**62, (2,)).tolist() if self.seed is None else [self.seed, self.seed + 1]
+        seeds = trainer.strategy.broadcast(seeds)  # one run, one set of seeds (processes derive their streams)
         self._strategy.configure_privacy(sampling_seed=seeds[0], noise_seed=seeds[1], loss_reduction=self.loss_reduction,
                                          grad_sample_mode=self.grad_sample_mode, secure_rng=self.secure_rng)
         self._strategy.collect_diagnostics = self.log_nonprivate_diagnostics
@@ -222,9 +224,9 @@ class DPCallback(Callback):
                 "raw per-sample gradients and batch sizes and are NOT covered by the differential privacy guarantee."
             )
 
-    def _install_strategy(self, trainer: Trainer) -> DPStrategy:
+    def _install_strategy(self, trainer: Trainer) -> PrivateTraining:
         strategy = trainer.strategy
-        if isinstance(strategy, DPStrategy):
+        if isinstance(strategy, PrivateTraining):
             return strategy
         if type(strategy) is SingleDeviceStrategy:
             # The callback alone suffices on one device: take over the plain strategy (same device, accelerator,
@@ -232,10 +234,17 @@ class DPCallback(Callback):
             dp_strategy = DPStrategy.from_single_device(strategy)
             trainer._accelerator_connector.strategy = dp_strategy
             return dp_strategy
+        if isinstance(strategy, DDPStrategy):
+            raise PrivacyConfigurationError(
+                f"{type(self).__name__} cannot make training private under {type(strategy).__name__}: its "
+                "DistributedDataParallel wrapper averages raw gradients before per-sample clipping. Pass "
+                "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) instead: the processes then add up "
+                "their clipped sums and rank 0 adds the noise once."
+            )
         raise PrivacyConfigurationError(
-            f"{type(self).__name__} cannot make training private under strategy {type(strategy).__name__}: it needs "
-            "one process on one device. Pass Trainer(strategy=lightning_oso.DPStrategy(), devices=1, ...) "
-            "(multi-device DP training is not supported yet)."
+            f"{type(self).__name__} cannot make training private under strategy {type(strategy).__name__}. Pass "
+            "Trainer(strategy=lightning_oso.DPStrategy(), ...) for one device or "
+            "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) for several processes (DDP)."
         )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

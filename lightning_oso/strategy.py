@@ -221,14 +221,15 @@ class PrivateTraining:
         scalar_sums = [contributions.sum(dim=0)] if contributions is not None else []
         # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
         # released, not even noised over. The count travels with the sums, so every process refuses the same step.
-        status = torch.stack([(~torch.isfinite(norms)).sum().to(norms.dtype), norms.new_tensor(problem is not None)])
+        nonfinite = (~torch.isfinite(norms)).sum()
+        status = torch.stack([nonfinite.to(norms.dtype), norms.new_tensor(problem is not None)])
         noisy = self.add_noise(sums, self.rule.noise_stds())
         noisy_scalars = self.add_noise(scalar_sums, self.rule.scalar_noise_stds()) if scalar_sums else []
         totals = self.sum_across_processes([*noisy, *noisy_scalars, status])
         # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while
         # the host waits)
         if bool(status.any()):
-            self._refuse_step(problem, int(status[0]), norms.shape[0])
+            self._refuse_step(problem, int(nonfinite), norms.shape[0])
         sanitised = private_step.average(totals[: len(sums)], self.expected_batch_size)
         for p, s in zip(params, sanitised):
             p.grad = s[self.rule.GRADIENT].to(p.dtype)

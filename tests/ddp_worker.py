@@ -1,0 +1,119 @@
+"""One DP training run on Lightning's DDP with 2 CPU processes (gloo), for tests/test_ddp.py.
+
+Lightning's launcher starts this script again for rank 1 (same arguments); each process writes what it ended with
+to ``OUT/rank{r}.pt``. Not a test module itself: it runs as ``python tests/ddp_worker.py SCENARIO OUT [CKPT]``.
+
+Scenarios:
+    train     OSO with momentum, a budget that stops training before max_epochs; records the batches each
+              process saw (record indices), so the test can check the shards and the global rate.
+    noise     zero gradients, FixedThresholdDP: one step moves the weights by the noise alone.
+    resume    as ``train``, noise calibrated for 4 epochs, a checkpoint after each; with CKPT=load, resume from the
+              one after the first epoch.
+    nan       an inf input on rank 1 in step 2 only: every process must refuse the step (none hangs).
+"""
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import ToyModel, toy_data  # noqa: E402
+
+from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP  # noqa: E402
+
+N, PER_PROCESS_BATCH = 200, 10  # global expected batch 20, q = 0.1
+
+
+class Indexed(ToyModel):
+    """Batches are (x, y, record index); the indices seen are kept."""
+
+    seen: list
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen = getattr(self, "seen", [])
+        self.seen.append(index.tolist())
+        if self.trainer.strategy.global_rank == 1 and self.trainer.global_step == 2 and SCENARIO == "nan":
+            x = x.clone()
+            x[:1] = float("inf")
+        return F.cross_entropy(self(x), y)
+
+
+class ZeroLoss(ToyModel):
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        return 0.0 * self(x).sum()
+
+
+def indexed_data() -> TensorDataset:
+    x, y = toy_data(N).tensors
+    return TensorDataset(x, y, torch.arange(N))
+
+
+def main(scenario: str, out: Path, ckpt: str | None) -> None:
+    L.seed_everything(7, verbose=False)
+    if scenario == "noise":
+        model = ZeroLoss(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
+        dp = FixedThresholdDP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=2.0, clip=0.5, seed=3)
+        plan = dict(max_steps=1)
+    elif scenario == "train":
+        model = Indexed(momentum=0.5)
+        dp = OSODP(target_epsilon=1.0, target_delta=1e-3, noise_multiplier=1.5, seed=3)
+        plan = dict(max_epochs=50)
+    elif scenario == "nan":
+        model = Indexed()
+        dp = OSODP(target_epsilon=3.0, target_delta=1e-3, noise_multiplier=1.0, seed=3)
+        plan = dict(max_epochs=1)
+    else:  # resume
+        model = Indexed(momentum=0.5)
+        dp = OSODP(target_epsilon=3.0, target_delta=1e-3, seed=3)
+        plan = dict(max_epochs=4)
+    initial = [p.detach().clone() for p in model.parameters()]
+    checkpoints = []
+    if scenario == "resume" and ckpt is None:
+        checkpoints = [ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1, filename="{epoch}")]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DPDDPStrategy(process_group_backend="gloo"),
+        callbacks=[dp, *checkpoints],
+        logger=False,
+        enable_checkpointing=bool(checkpoints),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **plan,
+    )
+    data = indexed_data() if scenario != "noise" else toy_data(N)
+    resume_from = str(out / "epoch=0.ckpt") if ckpt == "load" else None
+    trainer.fit(model, DataLoader(data, batch_size=PER_PROCESS_BATCH), ckpt_path=resume_from)
+    rank = trainer.global_rank
+    torch.save(
+        {
+            "initial": initial,
+            "params": [p.detach().clone() for p in model.parameters()],
+            "clip": dp.clip,
+            "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
+            "steps": dp.steps,
+            "epsilon": dp.epsilon,
+            "max_steps": dp.max_steps,
+            "sample_rate": dp.sample_rate,
+            "noise_multiplier": dp.noise_multiplier,
+            "gradient_noise_multiplier": dp.gradient_noise_multiplier,
+            "stop_reason": dp.stop_reason,
+            "seen": getattr(model, "seen", []),
+            "world_size": trainer.world_size,
+        },
+        out / f"rank{rank}{'_' + ckpt if ckpt else ''}.pt",
+    )
+
+
+if __name__ == "__main__":
+    SCENARIO = sys.argv[1]
+    main(SCENARIO, Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)

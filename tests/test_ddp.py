@@ -1,0 +1,112 @@
+"""DP training on Lightning's DDP: 2 CPU processes with the gloo backend (tests/ddp_worker.py runs them).
+
+Each test starts the worker script, which Lightning relaunches for rank 1; the processes write what they ended with,
+and the tests compare the processes with each other and with a single-process run of the same settings.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ToyModel, make_trainer, toy_loader
+from torch import nn
+
+from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP, compute_epsilon
+from lightning_oso.validation import PrivacyConfigurationError
+
+WORKER = Path(__file__).parent / "ddp_worker.py"
+
+
+def _launch(scenario, out, *extra, expect_failure=False):
+    result = subprocess.run(
+        [sys.executable, str(WORKER), scenario, str(out), *extra],
+        capture_output=True, text=True, timeout=240, cwd=Path(__file__).parent.parent,
+    )
+    if expect_failure:
+        assert result.returncode != 0, result.stdout[-2000:]
+        return result
+    assert result.returncode == 0, result.stderr[-4000:]
+    suffix = f"_{extra[0]}" if extra else ""
+    return [torch.load(out / f"rank{r}{suffix}.pt") for r in range(2)]
+
+
+def _same_on_every_process(ranks, keys):
+    for key in keys:
+        assert ranks[0][key] == ranks[1][key], key
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_processes_stay_identical_and_spend_what_one_process_would(tmp_path):
+    """OSO with momentum on 2 processes, stopped by the budget: parameters, C_t, rho_t, steps and epsilon are the
+    same on both; each process saw only its shard; the accountant saw the global rate, and the run spent exactly
+    what one process with the global batch size spends."""
+    ranks = _launch("train", tmp_path)
+    _same_on_every_process(ranks, ["clip", "lr", "steps", "epsilon", "max_steps", "stop_reason"])
+    run = ranks[0]
+    assert run["world_size"] == 2 and run["stop_reason"]  # stopped by the budget, on both processes
+    assert not all(torch.equal(a, b) for a, b in zip(run["initial"], run["params"]))
+    assert run["lr"] != 0.5  # rho_t moved, identically on both
+    for r, seen in enumerate(r["seen"] for r in ranks):
+        assert len(seen) == run["steps"] and all(i % 2 == r for batch in seen for i in batch)  # its own shard
+    assert run["sample_rate"] == pytest.approx(20 / 200)  # 10 per process, 2 processes, 200 records
+    history = [(run["noise_multiplier"], run["sample_rate"], run["steps"])]
+    assert run["epsilon"] == pytest.approx(compute_epsilon(history, 1e-3), rel=1e-9) and run["epsilon"] <= 1.0
+    single = OSODP(target_epsilon=1.0, target_delta=1e-3, noise_multiplier=1.5, seed=3)
+    make_trainer([single], max_epochs=50).fit(ToyModel(momentum=0.5), toy_loader(batch_size=20))
+    assert (single.steps, single.max_steps, single.sample_rate) == (run["steps"], run["max_steps"], run["sample_rate"])
+    assert single.epsilon == pytest.approx(run["epsilon"], rel=1e-9)
+
+
+def test_noise_is_added_once_globally(tmp_path):
+    """Zero gradients, one step with lr 1: the weights move by the noise alone, std nu C / B with B the global
+    expected batch size, as on one process. Noise added by each process would show sqrt(2) times that."""
+    ranks = _launch("noise", tmp_path)
+    _same_on_every_process(ranks, ["steps"])
+    delta = torch.cat([(a - b).flatten() for a, b in zip(ranks[0]["params"], ranks[0]["initial"])])
+    expected = 2.0 * 0.5 / 20.0  # nu * C / (q N)
+    tolerance = 5 / (2 * delta.numel()) ** 0.5
+    assert delta.std().item() == pytest.approx(expected, rel=tolerance)
+
+    class ZeroLoss(ToyModel):
+        def training_step(self, batch, batch_idx):
+            return 0.0 * self(batch[0]).sum()
+
+    model = ZeroLoss(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    dp = FixedThresholdDP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=2.0, clip=0.5, seed=3)
+    make_trainer([dp], max_steps=1).fit(model, toy_loader(batch_size=20))
+    single = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert delta.std().item() / single.std().item() == pytest.approx(1.0, rel=2 * tolerance)
+
+
+def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(tmp_path):
+    full = _launch("resume", tmp_path)  # checkpoints after every epoch
+    resumed = _launch("resume", tmp_path, "load")  # from the one after the first epoch
+    _same_on_every_process(resumed, ["clip", "lr", "steps", "epsilon"])
+    assert resumed[0]["steps"] == full[0]["steps"] == 40
+    for key in ("clip", "lr", "epsilon", "noise_multiplier"):
+        assert resumed[0][key] == pytest.approx(full[0][key], rel=1e-12), key
+    for a, b in zip(full[0]["params"], resumed[0]["params"]):
+        torch.testing.assert_close(a, b)
+
+
+def test_non_finite_gradient_on_one_process_stops_every_process(tmp_path):
+    """An inf input on rank 1 only: the refusal travels with the sums, so both processes stop at the same step with
+    the reason (none waits forever for the other)."""
+    result = _launch("nan", tmp_path, expect_failure=True)
+    assert result.stderr.count("FloatingPointError") >= 2
+    assert "not finite (NaN or inf)" in result.stderr and "refused by another process" in result.stderr
+
+
+def test_wrapper_arguments_and_plain_ddp_are_refused():
+    with pytest.raises(PrivacyConfigurationError, match="find_unused_parameters"):
+        DPDDPStrategy(find_unused_parameters=True)
+    from lightning.pytorch.strategies import DDPStrategy
+
+    with pytest.raises(PrivacyConfigurationError, match="DPDDPStrategy"):
+        make_trainer([OSODP(target_epsilon=1.0)], strategy=DDPStrategy(process_group_backend="gloo")).fit(
+            ToyModel(), toy_loader()
+        )
