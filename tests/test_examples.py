@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import audit_digits  # noqa: E402
 import compare_methods  # noqa: E402
 import digits_oso  # noqa: E402
 from lightning_oso import compute_epsilon  # noqa: E402
@@ -71,3 +72,12 @@ def test_overhead_benchmark_smallest_setting(tmp_path):
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"]
     assert "| transformer | 8 | oso |" in (tmp_path / "overhead.md").read_text()
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
+
+
+def test_audit_of_the_demo_smallest_setting(tmp_path):
+    rows = audit_digits.main(["--epsilons", "2", "--epochs", "1", "--canaries", "200", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row["claimed_epsilon"] <= 2.0 and row["epsilon_lower_bound"] < row["claimed_epsilon"]
+    assert row["canaries"] == 200 and 0 < row["guesses"] <= 200
+    assert json.loads((tmp_path / "audit_digits.json").read_text())["results"] == rows
+    assert "audited lower bound" in (tmp_path / "audit_digits.md").read_text()
