@@ -7,11 +7,18 @@ from lightning_oso.accounting import (
     max_steps_within_budget,
     split_noise_multiplier,
 )
-from lightning_oso.callbacks import OSODP, DPCallback, FixedQuantileDP, FixedThresholdDP
-from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
+from lightning_oso.callbacks import OSODP, PURDP, DPCallback, FixedQuantileDP, FixedThresholdDP
+from lightning_oso.clipping import (
+    ClippingRule,
+    FixedQuantileClipping,
+    FixedThresholdClipping,
+    OSOClipping,
+    ScheduledNoiseClipping,
+)
 from lightning_oso.ddp import DPDDPStrategy
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.optim import DPAdamWOSM
+from lightning_oso.schedules import PURSchedule
 from lightning_oso.search import HonestGridSearch, SearchResult
 from lightning_oso.strategy import DPStrategy
 from lightning_oso.validation import PrivacyConfigurationError
@@ -29,9 +36,12 @@ __all__ = [
     "FixedThresholdDP",
     "HonestGridSearch",
     "OSOClipping",
+    "PURDP",
+    "PURSchedule",
     "PoissonBatchSampler",
     "PrivacyAccountant",
     "PrivacyConfigurationError",
+    "ScheduledNoiseClipping",
     "SearchResult",
     "calibrate_noise_multiplier",
     "compute_epsilon",

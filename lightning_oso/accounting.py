@@ -28,6 +28,8 @@ DEFAULT_DIRECTION_NOISE_RATIO = 7.124
 RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [80, 96, 128, 192, 256, 512, 1024])
 
 ACCOUNTANTS = ("prv", "rdp")
+#: Also for full-batch histories (sample rate 1) only: zCDP, as the PUR paper accounts.
+FULL_BATCH_ACCOUNTANTS = ("zcdp",)
 
 #: Maximum error in epsilon of the PRV accountant; its *upper* bound (estimate + error) is what we report.
 PRV_EPS_ERROR = 0.01
@@ -38,15 +40,41 @@ class AccountingError(RuntimeError):
 
 
 def _normalise(history: Iterable[Segment]) -> tuple[Segment, ...]:
-    """Merge segments with equal mechanisms and drop empty ones; the result is hashable (for caching)."""
+    """Merge segments with equal mechanisms and drop empty ones; the result is hashable (for caching).
+
+    Steps at sample rate 1 (no subsampling: plain Gaussian mechanisms, e.g. full-batch DP-GD) are merged into one
+    Gaussian step with ``nu = (sum_t 1/nu_t^2)^(-1/2)``: an exact identity (the composition of mu_t-GDP mechanisms
+    is mu-GDP with ``mu^2 = sum_t mu_t^2``, Dong, Roth and Su 2019), so every accountant sees one mechanism however
+    long and heterogeneous the full-batch history is.
+    """
     merged: dict[tuple[float, float], int] = {}
+    full_batch_precision = 0.0  # sum_t steps / nu_t^2 over the rate-1 segments
     for noise, rate, steps in history:
         if steps < 0:
             raise ValueError(f"a history segment has a negative number of steps ({steps})")
-        if steps:
+        if steps and float(rate) == 1.0:
+            full_batch_precision += int(steps) / float(noise) ** 2
+        elif steps:
             key = (float(noise), float(rate))
             merged[key] = merged.get(key, 0) + int(steps)
+    if full_batch_precision:
+        merged[(full_batch_precision**-0.5, 1.0)] = 1
     return tuple((noise, rate, steps) for (noise, rate), steps in sorted(merged.items()))
+
+
+def zcdp_epsilon(history: Iterable[Segment], delta: float) -> float:
+    """Epsilon by zero-concentrated DP (Bun and Steinke 2016): a Gaussian step with multiplier ``nu`` is
+    ``1/(2 nu^2)``-zCDP, costs add up, and ``epsilon = rho + 2 sqrt(rho log(1/delta))`` (their Proposition 1.3).
+    Full-batch steps only: zCDP does not capture amplification by subsampling. The PUR paper's accounting."""
+    rho = 0.0
+    for noise, rate, steps in history:
+        if float(rate) != 1.0 and steps:
+            raise ValueError(
+                f"the zCDP accountant composes full-batch steps only (sample rate 1), got sample rate {rate}: use "
+                "'prv' or 'rdp' for subsampled steps"
+            )
+        rho += steps / (2.0 * float(noise) ** 2)
+    return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta)) if rho else 0.0
 
 
 def split_noise_multiplier(
@@ -254,10 +282,12 @@ def compute_epsilon(history: Iterable[Segment], delta: float, accountant: str = 
 
     ``accountant="prv"`` returns the smaller of the PRV and RDP bounds (both are valid upper bounds; the PRV one is
     almost always tighter) and falls back to RDP alone, with a warning, where the PRV accountant fails.
-    ``accountant="rdp"`` uses RDP only.
+    ``accountant="rdp"`` uses RDP only; ``accountant="zcdp"`` zCDP, for full-batch histories.
     """
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    if accountant not in ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS}, got {accountant!r}")
+    if accountant == "zcdp":
+        return zcdp_epsilon(history, delta)
     history = _normalise(history)
     rdp = rdp_epsilon(history, delta)
     if accountant == "rdp":
@@ -458,12 +488,14 @@ class PrivacyAccountant:
 
     Args:
         delta: the delta at which epsilon is reported.
-        accountant: ``"prv"`` (default; tight) or ``"rdp"``.
+        accountant: ``"prv"`` (default; tight), ``"rdp"``, or ``"zcdp"`` (full-batch histories only).
     """
 
     def __init__(self, delta: float, accountant: str = "prv") -> None:
-        if accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+        if accountant not in ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS:
+            raise ValueError(
+                f"accountant must be one of {ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS}, got {accountant!r}"
+            )
         self.delta = delta
         self.accountant = accountant
         self.history: list[list] = []  # [[noise_multiplier, sample_rate, steps], ...]

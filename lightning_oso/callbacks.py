@@ -24,10 +24,18 @@ from lightning_oso.accounting import (
     DEFAULT_DIRECTION_NOISE_RATIO,
     PrivacyAccountant,
     calibrate_noise_multiplier,
+    compute_epsilon,
     max_steps_within_budget,
 )
-from lightning_oso.clipping import ClippingRule, FixedQuantileClipping, FixedThresholdClipping, OSOClipping
+from lightning_oso.clipping import (
+    ClippingRule,
+    FixedQuantileClipping,
+    FixedThresholdClipping,
+    OSOClipping,
+    ScheduledNoiseClipping,
+)
 from lightning_oso.optim import DPAdamWOSM
+from lightning_oso.schedules import PURSchedule, gaussian_multiplier
 from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     PrivacyConfigurationError,
@@ -95,6 +103,8 @@ class DPCallback(Callback):
     method = "DP"
     #: Whether the method changes the optimizer's learning rate itself (then a user's lr scheduler interferes).
     adapts_learning_rate = False
+    #: The accountants the method's mechanism can be accounted with.
+    accountants = ACCOUNTANTS
 
     def __init__(
         self,
@@ -115,9 +125,9 @@ class DPCallback(Callback):
                     f"the accountant passed reports epsilon at delta={accountant.delta}, but target_delta="
                     f"{target_delta}: pass the same delta to both"
                 )
-        elif accountant not in ACCOUNTANTS:
+        elif accountant not in self.accountants:
             raise PrivacyConfigurationError(
-                f"accountant must be one of {ACCOUNTANTS} or a PrivacyAccountant, got {accountant!r}"
+                f"accountant must be one of {self.accountants} or a PrivacyAccountant, got {accountant!r}"
             )
         if loss_reduction not in ("mean", "sum"):
             raise PrivacyConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -275,10 +285,7 @@ class DPCallback(Callback):
         noise = self._resolve_noise_multiplier(q, planned)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
         taken = self.accountant.steps
-        allowed = max_steps_within_budget(
-            noise, q, self.target_epsilon, self.target_delta, self.accountant.accountant,
-            prior_history=[tuple(s) for s in self.accountant.history], limit=limit,
-        )
+        allowed = self._steps_within_budget(noise, q, limit)
         self.max_steps = taken + allowed
         if allowed < 1:
             if taken:
@@ -313,21 +320,34 @@ class DPCallback(Callback):
             "steps" + (f" after the {taken} in the accountant's history" if taken else "")
         )
 
+    def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
+        """How many more steps at ``noise_multiplier`` the budget allows after the accountant's history."""
+        return max_steps_within_budget(
+            noise_multiplier, sample_rate, self.target_epsilon, self.target_delta, self.accountant.accountant,
+            prior_history=[tuple(s) for s in self.accountant.history], limit=limit,
+        )
+
+    def _restore_history(self, sample_rate: float) -> dict:
+        """Check the checkpoint's privacy settings against this run's and take over its accountant history;
+        returns the checkpoint's settings."""
+        saved = self._restored["config"]
+        mine = self._config(sample_rate)
+        for key in mine:
+            if key == "noise_multiplier":
+                continue  # calibrated, or scheduled: follows from the others
+            if saved.get(key) != mine[key] and not (
+                isinstance(saved.get(key), float) and mine[key] is not None and math.isclose(saved[key], mine[key])
+            ):
+                raise PrivacyConfigurationError(
+                    f"the checkpoint was trained with {key}={saved.get(key)!r}, this run asks for {mine[key]!r}: "
+                    "resume with the same privacy settings (the accountant's history assumes them)"
+                )
+        self.accountant.load_state_dict(self._restored["accountant"])
+        return saved
+
     def _resolve_noise_multiplier(self, sample_rate: float, planned_steps: float) -> float:
         if self._restored is not None:
-            saved = self._restored["config"]
-            mine = self._config(sample_rate)
-            for key in ("method", "target_epsilon", "target_delta", "accountant", "requested_noise_multiplier",
-                        "sample_rate"):
-                if saved[key] != mine[key] and not (
-                    isinstance(saved[key], float) and mine[key] is not None and math.isclose(saved[key], mine[key])
-                ):
-                    raise PrivacyConfigurationError(
-                        f"the checkpoint was trained with {key}={saved[key]!r}, this run asks for {mine[key]!r}: "
-                        "resume with the same privacy settings (the accountant's history assumes them)"
-                    )
-            self.accountant.load_state_dict(self._restored["accountant"])
-            return saved["noise_multiplier"]
+            return self._restore_history(sample_rate)["noise_multiplier"]
         if self.requested_noise_multiplier is not None:
             return self.requested_noise_multiplier
         if not math.isfinite(planned_steps):
@@ -356,6 +376,7 @@ class DPCallback(Callback):
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_noise_multiplier = self.rule.noise_multiplier  # what this step's mechanism is accounted with
         if self.accountant.steps >= self.max_steps:
             # should_stop was set after the last allowed step; this is the last line of defence
             raise RuntimeError(
@@ -365,7 +386,7 @@ class DPCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.accountant.step(self.rule.noise_multiplier, self._strategy.sample_rate)
+        self.accountant.step(self._step_noise_multiplier, self._strategy.sample_rate)
         pl_module.log("dp/clip", self.rule.clip.float(), on_step=True, on_epoch=False, batch_size=1)
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)
@@ -660,3 +681,139 @@ class FixedQuantileDP(DPCallback):
                 "rule moves C_t every step. Use FixedThresholdDP with DPAdamWOSM, or SGD/Adam with FixedQuantileDP."
             )
 
+
+
+
+class PURDP(DPCallback):
+    r"""Full-batch noisy gradient descent with a PUR noise schedule (Fay et al.; spec section 6): step ``t`` adds
+    ``N(0, sigma_t^2 I)`` to the mean gradient with the data-independent ``sigma_t`` of Proposition 3, and the
+    step size is ``1/(2M)``. The budget decides the number of steps: training stops before the step that would
+    push epsilon over ``target_epsilon``.
+
+    Every batch is the whole training set (build the loader with ``batch_size >= len(dataset)``). Per-example
+    gradients are clipped at ``lipschitz`` (``L``): under the schedule's assumption that the loss is
+    ``L``-Lipschitz nothing is clipped; where it is not, the clipping keeps the sensitivity ``2L/N``. Epsilon is
+    reported under replace-one adjacency, as in the paper (it also bounds add/remove). ``dp/noise_std``
+    (``sigma_t``) is logged every step, with ``dp/epsilon``.
+
+    Args:
+        schedule: a :class:`~lightning_oso.schedules.PURSchedule` (e.g. ``schedules.logistic_schedule(...)``).
+        lipschitz: ``L``, the per-example Lipschitz constant of the loss (``schedules.logistic_regression_constants``
+            computes it for regularised logistic regression).
+        target_epsilon, target_delta: the budget (the paper reports ``delta = 1/N``).
+        accountant: ``"prv"`` (default): the exact composition of the steps' Gaussian mechanisms (one Gaussian,
+            mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the paper's zCDP accounting (looser); or a
+            :class:`~lightning_oso.PrivacyAccountant` to continue.
+        loss_reduction, seed, log_nonprivate_diagnostics, grad_sample_mode, secure_rng: as for
+            :class:`DPCallback`.
+
+    Raises:
+        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument; when training starts, for a batch
+            smaller than the dataset, or an optimizer other than ``torch.optim.SGD`` without momentum.
+
+    Example::
+
+        constants = schedules.logistic_regression_constants(max_norm=1.0, regularisation=0.1)
+        schedule = schedules.logistic_schedule(constants, dimension=d)
+        dp = PURDP(schedule, lipschitz=constants.lipschitz, target_epsilon=1.0, target_delta=1 / N)
+        L.Trainer(max_epochs=100_000, callbacks=[dp]).fit(model, DataLoader(data, batch_size=N))
+    """
+
+    method = "PUR"
+    accountants = ("prv", "zcdp")
+
+    def __init__(
+        self,
+        schedule: PURSchedule,
+        lipschitz: float,
+        target_epsilon: float,
+        target_delta: float = 1e-5,
+        accountant: str | PrivacyAccountant = "prv",
+        loss_reduction: str = "mean",
+        seed: int | None = None,
+        log_nonprivate_diagnostics: bool = False,
+        grad_sample_mode: str = "book_keeping",
+        secure_rng: bool = False,
+    ) -> None:
+        super().__init__(target_epsilon, target_delta, None, accountant, loss_reduction, seed,
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
+        if not isinstance(schedule, PURSchedule):
+            raise PrivacyConfigurationError(
+                f"schedule must be a lightning_oso.schedules.PURSchedule, got {type(schedule).__name__}"
+            )
+        self.schedule = schedule
+        self.lipschitz = check_number("lipschitz", lipschitz, positive=True)
+
+    @property
+    def initial_clip(self) -> float:
+        return self.lipschitz
+
+    @property
+    def noise_std(self) -> float:
+        """``sigma_t`` of the next step."""
+        return self.rule.noise_std if self.rule is not None else self.schedule.noise_std(1)
+
+    def _config(self, sample_rate: float | None) -> dict:
+        return {**super()._config(sample_rate), "schedule": repr(self.schedule), "lipschitz": self.lipschitz}
+
+    def _resolve_noise_multiplier(self, sample_rate: float, planned_steps: float) -> float:
+        if sample_rate < 1.0:
+            raise PrivacyConfigurationError(
+                f"PURDP runs full-batch gradient descent, but the training loader samples at rate {sample_rate:.4g}: "
+                "build it with DataLoader(dataset, batch_size=len(dataset))"
+            )
+        if self._restored is not None:
+            self._restore_history(sample_rate)
+        first = self._restored["rule"]["t"] if self._restored is not None else 1
+        return gaussian_multiplier(self.schedule.noise_std(first), self.lipschitz, self._strategy.num_samples)
+
+    def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
+        first = self._restored["rule"]["t"] if self._restored is not None else 1
+        prior = [tuple(s) for s in self.accountant.history]
+        n = self._strategy.num_samples
+
+        precisions = [0.0]  # prefix sums of 1/nu_t^2 from step `first` on
+
+        def fits(steps: int) -> bool:
+            while len(precisions) <= steps:
+                nu = gaussian_multiplier(self.schedule.noise_std(first + len(precisions) - 1), self.lipschitz, n)
+                precisions.append(precisions[-1] + nu**-2)
+            # full-batch Gaussian steps compose exactly into one (accounting._normalise does the same merge)
+            history = prior + [(precisions[steps] ** -0.5, 1.0, 1)]
+            return compute_epsilon(history, self.target_delta, self.accountant.accountant) <= self.target_epsilon
+
+        if not fits(1):
+            return 0
+        low, high = 1, 2  # fits(low); grow high until it does not fit (the cost per step only grows)
+        while high <= limit and fits(high):
+            low, high = high, 2 * high
+        if high > limit:
+            return limit if fits(limit) else _bisect_steps(fits, low, limit + 1)
+        return _bisect_steps(fits, low, high)
+
+    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
+        first = self._restored["rule"]["t"] if self._restored is not None else 1
+        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples, first)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):
+            raise PrivacyConfigurationError(
+                f"PURDP runs gradient descent (the schedules are derived for plain GD steps with eta = 1/(2M)); "
+                f"use torch.optim.SGD without momentum, got {type(optimizer).__name__}"
+                + (" with momentum" if isinstance(optimizer, torch.optim.SGD) else "")
+            )
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
+        eta = self.schedule.step_size
+        if any(not math.isclose(group["lr"], eta) for group in optimizer.param_groups):
+            rank_zero_info(f"PURDP: learning rate set to the schedule's step size 1/(2M) = {eta:.4g}")
+        for group in optimizer.param_groups:
+            group["lr"] = eta
+
+
+def _bisect_steps(fits, low: int, high: int) -> int:
+    """The largest ``t`` in ``[low, high)`` with ``fits(t)``, given ``fits(low)`` and not ``fits(high)``."""
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

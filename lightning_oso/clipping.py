@@ -266,3 +266,55 @@ class OSOClipping(ClippingRule):
         self.prev_direction = (
             None if state["prev_direction"] is None else [t.to(device) for t in state["prev_direction"]]
         )
+
+
+class ScheduledNoiseClipping(ClippingRule):
+    """A fixed threshold with a noise multiplier that follows a data-independent schedule: full-batch DP-GD with
+    PUR noise (spec section 6; ``schedules.PURSchedule``).
+
+    The threshold is the per-example Lipschitz constant ``L``: under the schedule's assumption no gradient is
+    clipped, and the clipping enforces the sensitivity where the assumption fails. Step ``t`` adds noise of
+    standard deviation ``sigma_t`` to the mean gradient, ``N sigma_t`` to the sum, and the accountant sees
+    ``nu_t = sigma_t N / (2L)``: the multiplier w.r.t. the replace-one sensitivity ``2L`` of the sum (the paper's
+    adjacency; it also bounds add/remove, whose sensitivity is ``L``).
+
+    Args:
+        schedule: ``sigma_t`` for ``t = 1, 2, ...`` (e.g. ``PURSchedule.noise_std``).
+        lipschitz: ``L``.
+        num_samples: ``N`` (the sums are divided by it: full batch, ``q = 1``).
+        first_step: the ``t`` of the next step (resume).
+    """
+
+    _mechanism_keys = ("lipschitz", "num_samples")
+
+    def __init__(self, schedule, lipschitz: float, num_samples: int, first_step: int = 1) -> None:
+        self.schedule, self.lipschitz, self.num_samples = schedule, float(lipschitz), int(num_samples)
+        self.t = first_step
+        super().__init__(self._multiplier(first_step), lipschitz)
+
+    def _multiplier(self, t: int) -> float:
+        return self.schedule(t) * self.num_samples / (2.0 * self.lipschitz)
+
+    @property
+    def noise_std(self) -> float:
+        """``sigma_t`` of the next step (on the mean gradient; data-independent, so free to log)."""
+        return self.schedule(self.t)
+
+    def noise_stds(self) -> Tensor:
+        return (2.0 * self.clip * self.noise_multiplier).reshape(1)  # = N sigma_t on the sum
+
+    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> None:
+        self.t += 1
+        self.noise_multiplier = self.gradient_noise_multiplier = self._multiplier(self.t)
+        return None
+
+    def step_metrics(self) -> dict[str, Tensor]:
+        return {"noise_std": torch.tensor(self.schedule(self.t - 1))}  # the step just taken (after update)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "t": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.t = state["t"]
+        self.noise_multiplier = self.gradient_noise_multiplier = self._multiplier(self.t)
