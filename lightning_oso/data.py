@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_oso import randomness
@@ -104,13 +104,18 @@ def poisson_loader(loader: DataLoader, seed: int | None, rank: int = 0, world_si
         raise ValueError("the training dataset is empty")
     sample_rate = min(1.0, batch_size / num_samples)
     steps = max(1, len(loader)) if world_size == 1 else math.ceil(num_samples / batch_size)
-    first = dataset[0]
-    items = first if isinstance(first, (tuple, list)) else [first]
-    collate = wrap_collate_with_empty(
-        collate_fn=loader.collate_fn or default_collate,
-        sample_empty_shapes=[(0, *shape_safe(x)) for x in items],
-        dtypes=[dtype_safe(x) for x in items],
-    )
+    if isinstance(dataset, TensorDataset) and loader.collate_fn in (None, default_collate):
+        # one index per tensor instead of one item at a time: the same batches (an empty one has the right shapes
+        # by itself), without a Python call per record, which dominates full-batch steps on large datasets
+        dataset, collate = _BatchedTensors(dataset), _as_batch
+    else:
+        first = dataset[0]
+        items = first if isinstance(first, (tuple, list)) else [first]
+        collate = wrap_collate_with_empty(
+            collate_fn=loader.collate_fn or default_collate,
+            sample_empty_shapes=[(0, *shape_safe(x)) for x in items],
+            dtypes=[dtype_safe(x) for x in items],
+        )
     return DataLoader(
         dataset,
         batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size),
@@ -123,6 +128,27 @@ def poisson_loader(loader: DataLoader, seed: int | None, rank: int = 0, world_si
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )
+
+
+class _BatchedTensors(Dataset):
+    """A ``TensorDataset`` that the DataLoader fetches a batch at a time (``__getitems__``)."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return [tensor[index] for tensor in self.dataset.tensors]
+
+
+def _as_batch(tensors: list) -> list:
+    return tensors  # already batched by _BatchedTensors (default_collate would also return a list for a tuple)
 
 
 def expected_batch_size_of(loader: DataLoader) -> int:

@@ -100,3 +100,18 @@ def test_distributed_loader_has_the_global_rate_and_the_same_steps_everywhere():
     assert {len(dl) for dl in loaders} == {4}  # ceil(100 / 32)
     with pytest.raises(ValueError, match="rank must lie in"):
         PoissonBatchSampler(10, 0.1, 1, seed=0, rank=2, world_size=2)
+
+
+def test_tensor_datasets_are_fetched_a_batch_at_a_time_with_the_same_batches():
+    """A TensorDataset with the default collate is indexed once per tensor per batch (no Python call per record):
+    the batches, empty ones included, are those of the item-wise path."""
+    from torch.utils.data._utils.collate import default_collate
+
+    data = TensorDataset(torch.randn(40, 3, 2), torch.arange(40))
+    fast = poisson_loader(DataLoader(data, batch_size=2), seed=4)
+    itemwise = poisson_loader(DataLoader(data, batch_size=2, collate_fn=lambda b: default_collate(b)), seed=4)
+    assert hasattr(fast.dataset, "__getitems__") and not hasattr(itemwise.dataset, "__getitems__")
+    pairs = list(zip(fast, itemwise))
+    assert any(len(a[1]) == 0 for a, _ in pairs)  # q = 1/20 over 20 batches: empty ones occur (seeded)
+    for a, b in pairs:
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))

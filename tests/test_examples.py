@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import audit_digits  # noqa: E402
 import compare_methods  # noqa: E402
 import digits_oso  # noqa: E402
+import pur_schedules  # noqa: E402
 from lightning_oso import compute_epsilon  # noqa: E402
 
 
@@ -81,3 +82,13 @@ def test_audit_of_the_demo_smallest_setting(tmp_path):
     assert row["canaries"] == 200 and 0 < row["guesses"] <= 200
     assert json.loads((tmp_path / "audit_digits.json").read_text())["results"] == rows
     assert "audited lower bound" in (tmp_path / "audit_digits.md").read_text()
+
+
+def test_pur_example_quick(tmp_path):
+    """Iris, one repetition, 100 steps at most: every run within its budget, the exact accounting allows at least
+    as many steps as zCDP, the table and plot written."""
+    summary = pur_schedules.main(["--quick", "--workers", "1", "--out", str(tmp_path)])
+    assert all(r["spent"] <= r["epsilon"] for r in summary["runs"])
+    assert all(r["pur_prv_steps"] >= r["pur_steps"] for r in summary["rows"])
+    assert len(summary["rows"]) == 4 and "best constant" in (tmp_path / "pur_table.md").read_text()
+    assert (tmp_path / "pur_table.png").stat().st_size > 10_000

@@ -223,3 +223,26 @@ def test_pur_composes_with_an_earlier_history():
     make_trainer([alone], max_epochs=100_000).fit(Logistic(4), DataLoader(_data(), batch_size=120))
     assert dp.steps == accountant.steps and dp.epsilon <= 2.0
     assert dp.steps - 5 < alone.steps
+
+
+def test_merged_full_batch_history_matches_the_independent_heterogeneous_prv_composition():
+    """Our exact merge of full-batch Gaussian steps into one, against Microsoft's prv-accountant composing the
+    same heterogeneous steps one mechanism at a time."""
+    import warnings
+
+    from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+
+    schedule = PURSchedule("strongly_convex", 1.0, 3, initial_gap=0.7, strong_convexity=0.2)
+    delta, n = 1e-4, 1000
+    multipliers = [schedules.gaussian_multiplier(s, 1.0, n) for s in schedule.noise_stds(1, 8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = PRVAccountant(
+            prvs=[PoissonSubsampledGaussianMechanism(sampling_probability=1.0, noise_multiplier=nu) for nu in multipliers],
+            max_self_compositions=[1] * 8, eps_error=0.01, delta_error=delta / 1000,
+        )
+        _, estimate, _ = theirs.compute_epsilon(delta=delta, num_self_compositions=[1] * 8)
+    ours = compute_epsilon([(nu, 1.0, 1) for nu in multipliers], delta)
+    mu = math.sqrt(sum(nu**-2 for nu in multipliers))
+    assert estimate == pytest.approx(schedules.gdp_epsilon(mu, delta), abs=0.01)
+    assert ours == pytest.approx(estimate, abs=0.02) and ours >= schedules.gdp_epsilon(mu, delta)
