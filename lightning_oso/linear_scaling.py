@@ -4,7 +4,8 @@ Adaptive Hyperparameter Optimization", Algorithms 1-3; spec section 7).
 DP-SGD's step size and length enter through their product ``r = eta * T``. Two cheap random-search sweeps, each of
 ``n`` runs at a small per-run epsilon (``eps_1``, ``eps_2``), give the best ``r_1`` and ``r_2``; the line
 ``r = a eps + b`` through them predicts ``r*`` for the final run's epsilon ``eps_f``, which is decomposed into
-``(eta, T)`` within ``eta_max`` and ``T_max`` and trained once.
+``(eta, T)`` within ``eta_max`` and ``T_max`` and trained once. Where noisy sweeps give the line a falling slope,
+``r*`` is at least ``r_2`` (a larger budget never calls for a smaller ``r``; the report shows both numbers).
 
 Privacy: the whole procedure, ``2n + 1`` runs, is one heterogeneous composition of subsampled Gaussian steps in one
 :class:`~lightning_oso.PrivacyAccountant` (exact with the PRV accountant; for full-batch runs it is mu-GDP with
@@ -76,8 +77,8 @@ class LinearScalingResult:
     best_r: tuple[float, float]
     line: tuple[float, float]  # a, b of r = a eps + b
     final_epsilon: float  # eps_f, the final run's own epsilon
-    final_r: float  # r* = a eps_f + b, clamped to [r_min, eta_max * T_max]
-    predicted_r: float  # a eps_f + b before the clamp
+    final_r: float  # r* = a eps_f + b, at least r_2 (for eps_f >= eps_2) and r_min, at most eta_max * T_max
+    predicted_r: float  # a eps_f + b before those bounds
     phase_epsilons: dict  # each phase alone, at the target delta
     epsilon_spent: float  # the whole procedure
     target_epsilon: float
@@ -104,7 +105,8 @@ class LinearScalingResult:
         f = self.final
         lines += [
             f"  fit: r = {a:.4g} * eps + {b:.4g}",
-            f"  final: eps_f={self.final_epsilon:.4f}, r*={self.final_r:.4g} -> eta={f.eta:.4g}, T={f.steps}, "
+            f"  final: eps_f={self.final_epsilon:.4f}, line gives {self.predicted_r:.4g}, r*={self.final_r:.4g} -> "
+            f"eta={f.eta:.4g}, T={f.steps}, "
             f"nu={f.noise_multiplier:.3f}; score {f.score:.4g}",
         ]
         lines += [f"  not charged: {item}" for item in self.uncharged]
@@ -252,7 +254,7 @@ class LinearScalingSearch:
                                    else -math.inf)].r)
         slope, intercept = fit_line(list(zip(self.sweep_epsilons, best_r)))
         prior = [tuple(s) for s in ledger.history]
-        final_epsilon, plan = self._plan_final(slope, intercept, prior)
+        final_epsilon, plan = self._plan_final(slope, intercept, prior, (best_r[0], best_r[1]))
         trials.append(self._train("final", plan, final_epsilon, ledger))
         phases = {
             phase: compute_epsilon([(t.noise_multiplier, self.sample_rate, t.steps) for t in trials if t.phase == phase],
@@ -268,14 +270,20 @@ class LinearScalingSearch:
             uncharged=["the choice of the best run of each sweep, made on un-noised scores (as in the paper)"],
         )
 
-    def _plan_final(self, slope: float, intercept: float, prior: list) -> tuple[float, dict]:
+    def _plan_final(self, slope: float, intercept: float, prior: list,
+                    best_r: tuple[float, float] | None = None) -> tuple[float, dict]:
         """``eps_f``, ``r*`` and the final run's ``(eta, T, nu)``: ``nu`` makes the whole composition meet the target;
         ``eps_f`` is the final run's own epsilon, a fixed point of ``eps_f -> r* -> T -> nu -> eps_f``."""
-        r_cap = (self.r_range[0], self.eta_max * self.steps_max)  # the line may leave the searched range
+        # The line may leave the searched range, and noisy sweeps may give it a falling slope: a larger budget never
+        # calls for a smaller r (Proposition 2.1 there: it allows more steps or a larger step size), so r* is at
+        # least the best r of the sweep at the larger epsilon (for eps_f at or above it).
+        r_floor = max(self.r_range[0], best_r[1]) if best_r is not None else self.r_range[0]
+        r_cap = self.eta_max * self.steps_max
         final_epsilon = self.target_epsilon - self.sweeps_epsilon  # a first guess; the loop settles it
         for _ in range(20):
             predicted = slope * final_epsilon + intercept
-            r_target = min(max(predicted, r_cap[0]), r_cap[1])
+            floor = r_floor if final_epsilon >= self.sweep_epsilons[1] else self.r_range[0]
+            r_target = min(max(predicted, floor), r_cap)
             eta, steps = decompose(r_target, self.eta_max, self.steps_max, self.steps_min)
             try:
                 noise = calibrate_noise_multiplier(self.target_epsilon, self.target_delta, self.sample_rate, steps,

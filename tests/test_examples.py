@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import audit_digits  # noqa: E402
 import compare_methods  # noqa: E402
 import digits_oso  # noqa: E402
+import linear_scaling  # noqa: E402
 import pur_schedules  # noqa: E402
 from lightning_oso import compute_epsilon  # noqa: E402
 
@@ -92,3 +93,13 @@ def test_pur_example_quick(tmp_path):
     assert all(r["pur_prv_steps"] >= r["pur_steps"] for r in summary["rows"])
     assert len(summary["rows"]) == 4 and "best constant" in (tmp_path / "pur_table.md").read_text()
     assert (tmp_path / "pur_table.png").stat().st_size > 10_000
+
+
+def test_linear_scaling_example_quick(tmp_path):
+    """One budget, one seed: linear scaling and random search spend at most the budget; the oracle's (uncharged)
+    cost is reported above it; table and plots written."""
+    (row,) = linear_scaling.main(["--quick", "--workers", "1", "--out", str(tmp_path)])
+    assert row["linear_scaling_epsilon"] <= 2.0 and row["random_search_epsilon"] <= 2.0
+    assert row["grid_oracle_uncharged_epsilon"] > 2.0
+    assert "NOT charged" in (tmp_path / "linear_scaling.md").read_text()
+    assert (tmp_path / "fit.png").stat().st_size > 10_000 and (tmp_path / "comparison.png").stat().st_size > 10_000

@@ -112,3 +112,21 @@ def test_refusals():
 
     with pytest.raises(PrivacyConfigurationError, match="must pass dp"):
         LinearScalingSearch(forgets_dp, target_epsilon=5.0, runs_per_sweep=1, **common).run()
+
+
+def test_a_falling_fit_never_shrinks_r_below_the_larger_sweeps_best():
+    """Score peaks at r = 50 / eps (falling): the line predicts a tiny r for the final epsilon, and r* stays at the
+    best r of the sweep at eps_2 instead."""
+
+    def train(hparams, dp):
+        ledger = dp["accountant"]
+        own = compute_epsilon([(dp["noise_multiplier"], 1.0, hparams["steps"])], dp["target_delta"])
+        ledger.step(dp["noise_multiplier"], 1.0, hparams["steps"])
+        return -(math.log(hparams["eta"] * hparams["steps"]) - math.log(50.0 / own)) ** 2
+
+    result = LinearScalingSearch(train, target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0,
+                                 r_range=(1.0, 1000.0), eta_max=1.0, steps_max=1000, runs_per_sweep=20,
+                                 seed=0).run()
+    assert result.line[0] < 0 and result.predicted_r < result.best_r[1]
+    assert result.final_r == pytest.approx(result.best_r[1])
+    assert result.epsilon_spent <= 3.0
