@@ -753,6 +753,11 @@ class PURDP(DPCallback):
         """``sigma_t`` of the next step."""
         return self.rule.noise_std if self.rule is not None else self.schedule.noise_std(1)
 
+    @property
+    def _first_step(self) -> int:
+        """The schedule's ``t`` of this fit's first step: 1, or where the checkpoint left off."""
+        return self._restored["rule"]["t"] if self._restored is not None else 1
+
     def _config(self, sample_rate: float | None) -> dict:
         return {**super()._config(sample_rate), "schedule": repr(self.schedule), "lipschitz": self.lipschitz}
 
@@ -764,11 +769,11 @@ class PURDP(DPCallback):
             )
         if self._restored is not None:
             self._restore_history(sample_rate)
-        first = self._restored["rule"]["t"] if self._restored is not None else 1
-        return gaussian_multiplier(self.schedule.noise_std(first), self.lipschitz, self._strategy.num_samples)
+        return gaussian_multiplier(self.schedule.noise_std(self._first_step), self.lipschitz,
+                                   self._strategy.num_samples)
 
     def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
-        first = self._restored["rule"]["t"] if self._restored is not None else 1
+        first = self._first_step
         prior = [tuple(s) for s in self.accountant.history]
         n = self._strategy.num_samples
 
@@ -792,8 +797,8 @@ class PURDP(DPCallback):
         return _bisect_steps(fits, low, high)
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
-        first = self._restored["rule"]["t"] if self._restored is not None else 1
-        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples, first)
+        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples,
+                                      self._first_step)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):
