@@ -130,3 +130,17 @@ def test_a_falling_fit_never_shrinks_r_below_the_larger_sweeps_best():
     assert result.line[0] < 0 and result.predicted_r < result.best_r[1]
     assert result.final_r == pytest.approx(result.best_r[1])
     assert result.epsilon_spent <= 3.0
+
+
+def test_large_batches_compose_within_the_target():
+    """Subsampled runs (q = 0.1, the paper's large-batch setting): the procedure still meets the target as one PRV
+    composition, and the final run's own epsilon is a fixed point of the plan."""
+    q, delta = 0.1, 1e-5
+    result = LinearScalingSearch(_synthetic_train(c=20.0, q=q), target_epsilon=2.0, target_delta=delta,
+                                 sample_rate=q, r_range=(0.5, 100.0), eta_max=1.0, steps_max=300, runs_per_sweep=3,
+                                 seed=2).run()
+    history = [(t.noise_multiplier, q, t.steps) for t in result.trials]
+    assert result.epsilon_spent == pytest.approx(compute_epsilon(history, delta)) and result.epsilon_spent <= 2.0
+    final = result.final
+    assert compute_epsilon([(final.noise_multiplier, q, final.steps)], delta) == pytest.approx(
+        result.final_epsilon, rel=1e-3)
