@@ -100,8 +100,8 @@ class LinearScalingResult:
             runs = [t for t in self.trials if t.phase == phase]
             lines.append(f"  {phase}: {len(runs)} runs at eps={self.sweep_epsilons[k]:g} each, phase epsilon "
                          f"{self.phase_epsilons[phase]:.4f}; best r = {self.best_r[k]:.4g}")
-            lines += [f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f}): score {t.score:.4g}"
-                      for t in runs]
+            lines += [f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f}): "
+                      f"score {t.score:.4g}" for t in runs]
         f = self.final
         lines += [
             f"  fit: r = {a:.4g} * eps + {b:.4g}",
@@ -223,8 +223,8 @@ class LinearScalingSearch:
         self.sweeps_epsilon = compute_epsilon(history, self.target_delta, self.accountant)
         if self.sweeps_epsilon >= self.target_epsilon:
             raise PrivacyConfigurationError(
-                f"the two sweeps alone spend epsilon={self.sweeps_epsilon:.4g} of target_epsilon={self.target_epsilon}, "
-                "leaving nothing for the final run: lower sweep_epsilons or runs_per_sweep"
+                f"the two sweeps alone spend epsilon={self.sweeps_epsilon:.4g} of target_epsilon="
+                f"{self.target_epsilon}, leaving nothing for the final run: lower sweep_epsilons or runs_per_sweep"
             )
 
     def _draw_r(self) -> float:
@@ -257,8 +257,10 @@ class LinearScalingSearch:
         final_epsilon, plan = self._plan_final(slope, intercept, prior, (best_r[0], best_r[1]))
         trials.append(self._train("final", plan, final_epsilon, ledger))
         phases = {
-            phase: compute_epsilon([(t.noise_multiplier, self.sample_rate, t.steps) for t in trials if t.phase == phase],
-                                   self.target_delta, self.accountant)
+            phase: compute_epsilon(
+                [(t.noise_multiplier, self.sample_rate, t.steps) for t in trials if t.phase == phase],
+                self.target_delta, self.accountant,
+            )
             for phase in ("sweep 1", "sweep 2", "final")
         }
         return LinearScalingResult(

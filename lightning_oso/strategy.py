@@ -222,7 +222,8 @@ class PrivateTraining:
         # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
         # released, not even noised over. The count travels with the sums, so every process refuses the same step.
         nonfinite = (~torch.isfinite(norms)).sum()
-        status = torch.stack([nonfinite.to(norms.dtype), torch.full((), problem is not None, dtype=norms.dtype, device=norms.device)])
+        refused_check = torch.full((), problem is not None, dtype=norms.dtype, device=norms.device)
+        status = torch.stack([nonfinite.to(norms.dtype), refused_check])
         noisy = self.add_noise(sums, self.rule.noise_stds())
         noisy_scalars = self.add_noise(scalar_sums, self.rule.scalar_noise_stds()) if scalar_sums else []
         totals = self.sum_across_processes([*noisy, *noisy_scalars, status])
