@@ -17,6 +17,7 @@ from lightning_oso.clipping import (
 )
 from lightning_oso.ddp import DPDDPStrategy
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.linear_scaling import LinearScalingSearch
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.schedules import PURSchedule
 from lightning_oso.search import HonestGridSearch, SearchResult
@@ -35,6 +36,7 @@ __all__ = [
     "FixedThresholdClipping",
     "FixedThresholdDP",
     "HonestGridSearch",
+    "LinearScalingSearch",
     "OSOClipping",
     "PURDP",
     "PURSchedule",
