@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -459,6 +459,12 @@ def max_steps_within_budget(
     # whose grid would exceed PRV_MAX_GRID: the doubling search below never looks much past the answer.
     if limit <= 1_000_000 and fits(limit):
         return limit
+    return largest_fitting_steps(fits, limit)
+
+
+def largest_fitting_steps(fits: Callable[[int], bool], limit: int) -> int:
+    """Largest ``t <= limit`` with ``fits(t)``, for a ``fits`` that holds up to some ``t`` and fails after (epsilon
+    grows with the steps): doubling, then bisection. 0 if not even ``fits(0)``."""
     if not fits(0):
         return 0
     lo, hi = 0, 1

@@ -25,6 +25,7 @@ from lightning_oso.accounting import (
     PrivacyAccountant,
     calibrate_noise_multiplier,
     compute_epsilon,
+    largest_fitting_steps,
     max_steps_within_budget,
 )
 from lightning_oso.clipping import (
@@ -783,18 +784,13 @@ class PURDP(DPCallback):
             while len(precisions) <= steps:
                 nu = gaussian_multiplier(self.schedule.noise_std(first + len(precisions) - 1), self.lipschitz, n)
                 precisions.append(precisions[-1] + nu**-2)
-            # full-batch Gaussian steps compose exactly into one (accounting._normalise does the same merge)
-            history = prior + [(precisions[steps] ** -0.5, 1.0, 1)]
-            return compute_epsilon(history, self.target_delta, self.accountant.accountant) <= self.target_epsilon
+            # full-batch Gaussian steps compose exactly into one (accounting._normalise does the same merge), so the
+            # prefix sum stands for the whole schedule: no history of `steps` segments per evaluation
+            scheduled = [(precisions[steps] ** -0.5, 1.0, 1)] if steps else []
+            spent = compute_epsilon(prior + scheduled, self.target_delta, self.accountant.accountant)
+            return spent <= self.target_epsilon
 
-        if not fits(1):
-            return 0
-        low, high = 1, 2  # fits(low); grow high until it does not fit (the cost per step only grows)
-        while high <= limit and fits(high):
-            low, high = high, 2 * high
-        if high > limit:
-            return limit if fits(limit) else _bisect_steps(fits, low, limit + 1)
-        return _bisect_steps(fits, low, high)
+        return largest_fitting_steps(fits, limit)  # the cost per step only grows
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
         return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples,
@@ -814,11 +810,3 @@ class PURDP(DPCallback):
             rank_zero_info(f"PURDP: learning rate set to the schedule's step size 1/(2M) = {eta:.4g}")
         for group in optimizer.param_groups:
             group["lr"] = eta
-
-
-def _bisect_steps(fits, low: int, high: int) -> int:
-    """The largest ``t`` in ``[low, high)`` with ``fits(t)``, given ``fits(low)`` and not ``fits(high)``."""
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low

@@ -118,14 +118,10 @@ def gaussian_multiplier(noise_std: float, lipschitz: float, num_samples: int) ->
 
 
 def zcdp_rho(noise_stds: list[float], lipschitz: float, num_samples: int) -> float:
-    """``rho = sum_t (2L/N)^2 / (2 sigma_t^2)`` (the paper's Equation 21)."""
+    """``rho = sum_t (2L/N)^2 / (2 sigma_t^2)`` (the paper's Equation 21; ``accounting.zcdp_epsilon`` turns a
+    history's rho into epsilon)."""
     sensitivity = 2.0 * lipschitz / num_samples
     return sum(sensitivity**2 / (2.0 * s**2) for s in noise_stds)
-
-
-def zcdp_to_epsilon(rho: float, delta: float) -> float:
-    """``epsilon = rho + 2 sqrt(rho log(1/delta))`` (Bun and Steinke 2016, Proposition 1.3)."""
-    return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
