@@ -249,13 +249,13 @@ def candidates_for(method: str, k: int, gammas) -> list[dict]:
 
 def make_callback(method: str, candidate: dict, seed: int, dp: dict):
     if method == "Online":
-        return OSODP(initial_clip=0.1, seed=seed, **dp)
+        return OSODP(initial_clip=0.1, **dp)
     if method == "FixedThreshold":
-        return FixedThresholdDP(clip=candidate["clip"], seed=seed, **dp)
+        return FixedThresholdDP(clip=candidate["clip"], **dp)
     if method == "FixedQuantile":
-        return FixedQuantileDP(target_quantile=candidate["gamma"], initial_clip=0.1, clip_lr=0.2, seed=seed, **dp)
+        return FixedQuantileDP(target_quantile=candidate["gamma"], initial_clip=0.1, clip_lr=0.2, **dp)
     if method == "DPAdamWOSM":
-        return FixedThresholdDP(clip=candidate["clip"], seed=seed, **dp)
+        return FixedThresholdDP(clip=candidate["clip"], **dp)
     raise ValueError(method)
 
 

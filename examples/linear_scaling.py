@@ -86,7 +86,7 @@ def train_once(eta: float, steps: int, dp: dict, seed: int) -> dict:
     L.seed_everything(seed, verbose=False)
     model = LinearProbe(eta)
     trainer = L.Trainer(max_steps=steps, max_epochs=None, accelerator="cpu", devices=1, logger=False,
-                        callbacks=[FixedThresholdDP(clip=1.0, seed=seed, **dp)], enable_checkpointing=False,
+                        callbacks=[FixedThresholdDP(clip=1.0, **dp)], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(train_set, batch_size=len(train_set)))
     return {"score": _accuracy(model, train_set), "test": _accuracy(model, test_set)}

@@ -11,7 +11,11 @@ rule it runs and which optimizers it has an analysis for: :class:`OSODP` (spec s
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -35,7 +39,9 @@ from lightning_oso.clipping import (
     OSOClipping,
     ScheduledNoiseClipping,
 )
+from lightning_oso.ledger import LedgerError, PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
 from lightning_oso.optim import DPAdamWOSM
+from lightning_oso.randomness import RunRandomness, os_nonce, root_seed_sequence
 from lightning_oso.schedules import PURSchedule, gaussian_multiplier
 from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
@@ -56,8 +62,12 @@ _SHARED_ARGS_DOC = """target_epsilon: the privacy budget epsilon; training never
             :class:`~lightning_oso.PrivacyAccountant` whose history this run continues (e.g. the earlier runs of a
             grid search): the budget then covers that history and this run together.
         loss_reduction: how ``training_step``'s loss reduces over the batch: ``"mean"`` (default) or ``"sum"``.
-        seed: seed of the sampling and noise randomness; ``None`` draws it from torch's global generator, so
-            ``lightning.seed_everything`` makes a run reproducible.
+        seed: the root of the run's randomness (an int, or a numpy ``SeedSequence``): the Poisson sampling and the
+            noise of every step come from streams derived from it (per purpose, process and step). ``None``
+            (default): 128 bits from the operating system, so no two runs share noise (``seed_everything`` does
+            not make the noise reproducible: pass ``seed``). A seed names a run: two runs given the same seed draw
+            the same noise and batches, and releasing both would cancel the noise: reuse a seed only to reproduce
+            a run, never for another run on the same data (searches give each run its own streams).
         log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``, ``nonprivate/grad_norm_median``,
             ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are computed from raw per-sample
             gradients and are **not** differentially private; off by default.
@@ -69,7 +79,18 @@ _SHARED_ARGS_DOC = """target_epsilon: the privacy budget epsilon; training never
         secure_rng: draw the Poisson sampling and the Gaussian noise from the operating system's cryptographically
             secure generator (``os.urandom``) instead of torch's seeded ones, so that nobody who learns a seed or a
             generator state can predict (and subtract) the noise. Not reproducible, cannot be combined with
-            ``seed``; noise draws about 10x slower on CPU (``benchmarks/noise_generation.py``)."""
+            ``seed``; noise draws about 10x slower on CPU (``benchmarks/noise_generation.py``).
+        ledger_path: where the write-ahead privacy ledger goes: one line per executed step, written before the
+            step's output can leave the process, so a resume charges every step ever executed, also those after the
+            last checkpoint of a run that crashed. ``None`` (default):
+            ``<default_root_dir>/privacy_ledger/<run id>.jsonl``; a path: that file (a resume from a moved checkpoint
+            must point to the run's ledger); ``False``: no ledger (a resume then charges only what the checkpoint
+            holds; warned).
+        deterministic_resume: resume with the randomness of the uninterrupted run (same seed, streams keyed on the
+            step alone), so a resumed run repeats it bit for bit. Off by default: a resume (and a second ``fit``)
+            then draws fresh streams, keyed on a nonce from the operating system. **Risk:** with it on, two runs
+            resumed from one checkpoint (branches, e.g. with another learning rate) draw the *same* noise and
+            batches, and releasing both cancels the noise."""
 
 
 def _document_shared_args(cls: type) -> type:
@@ -118,6 +139,8 @@ class DPCallback(Callback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
+        ledger_path: str | os.PathLike | None | bool = None,
+        deterministic_resume: bool = False,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, noise_multiplier)
         if isinstance(accountant, PrivacyAccountant):
@@ -143,8 +166,23 @@ class DPCallback(Callback):
                 f"secure_rng=True draws from the operating system's secure generator, which cannot be seeded, but "
                 f"seed={seed} was passed: drop the seed (the run is then not reproducible) or set secure_rng=False"
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise PrivacyConfigurationError(f"seed must be an int or None, got {seed!r}")
+        if seed is not None and not isinstance(seed, np.random.SeedSequence) and (
+            isinstance(seed, bool) or not isinstance(seed, int) or seed < 0
+        ):
+            raise PrivacyConfigurationError(
+                f"seed must be a non-negative int, a numpy SeedSequence or None, got {seed!r}"
+            )
+        if not (ledger_path is None or ledger_path is False or isinstance(ledger_path, (str, os.PathLike))):
+            raise PrivacyConfigurationError(f"ledger_path must be a path, None or False, got {ledger_path!r}")
+        if not isinstance(deterministic_resume, bool):
+            raise PrivacyConfigurationError(
+                f"deterministic_resume must be True or False, got {deterministic_resume!r}"
+            )
+        if deterministic_resume and seed is None:
+            raise PrivacyConfigurationError(
+                "deterministic_resume=True repeats the randomness of the uninterrupted run, which needs its seed: pass "
+                "seed=... (or drop deterministic_resume)"
+            )
         self.target_epsilon = float(target_epsilon)
         self.target_delta = float(target_delta)
         self.requested_noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
@@ -153,6 +191,8 @@ class DPCallback(Callback):
         self.log_nonprivate_diagnostics = log_nonprivate_diagnostics
         self.grad_sample_mode = grad_sample_mode
         self.secure_rng = secure_rng
+        self.ledger_path = ledger_path
+        self.deterministic_resume = deterministic_resume
 
         self.accountant = (
             accountant if isinstance(accountant, PrivacyAccountant) else PrivacyAccountant(self.target_delta, accountant)
@@ -163,6 +203,12 @@ class DPCallback(Callback):
         self._strategy: PrivateTraining | None = None
         self._restored: dict | None = None
         self._epsilon_cache: tuple[int, float] | None = None
+        self._randomness: RunRandomness | None = None
+        self._run_id: str | None = None  # the run's ledger; made at its first fit, kept by its checkpoints
+        self._ledger_file: PrivacyLedger | None = None
+        self._checkpoint_ledger: str | None = None
+        self._sessions = 0  # fits of this run so far (a resumed checkpoint counts those before it)
+        self._step_noise_multiplier: float | None = None
 
     # ------------------------------------------------------------------ what a method defines
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ClippingRule:
@@ -216,7 +262,10 @@ class DPCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(target_epsilon=self.target_epsilon, target_delta=self.target_delta)
+        # One key for every DP callback and every setting: a resume with another target, delta or method still
+        # finds the checkpoint's privacy state (Lightning would skip a state saved under another key, and with it
+        # the history of the steps taken).
+        return "lightning_oso.DPCallback"
 
     # ------------------------------------------------------------------ wiring
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -224,10 +273,11 @@ class DPCallback(Callback):
             return
         validate_trainer(trainer)
         self._strategy = self._install_strategy(trainer)
-        seeds = torch.randint(0, 2**62, (2,)).tolist() if self.seed is None else [self.seed, self.seed + 1]
-        seeds = trainer.strategy.broadcast(seeds)  # one run, one set of seeds (processes derive their streams)
-        self._strategy.configure_privacy(sampling_seed=seeds[0], noise_seed=seeds[1], loss_reduction=self.loss_reduction,
-                                         grad_sample_mode=self.grad_sample_mode, secure_rng=self.secure_rng)
+        if self._randomness is None:  # one root per run, kept across its fits; the processes share rank 0's
+            root = None if self.secure_rng else trainer.strategy.broadcast(root_seed_sequence(self.seed))
+            self._randomness = RunRandomness(root, secure=self.secure_rng)
+        self._strategy.configure_privacy(self._randomness, loss_reduction=self.loss_reduction,
+                                         grad_sample_mode=self.grad_sample_mode)
         self._strategy.collect_diagnostics = self.log_nonprivate_diagnostics
         if self.log_nonprivate_diagnostics:
             rank_zero_warn(
@@ -268,9 +318,78 @@ class DPCallback(Callback):
                 "lr); your lr scheduler changes it too. Chainable schedulers compose multiplicatively; schedulers "
                 "that set an absolute lr overwrite rho_t."
             )
-        if self._restored is not None:
-            self._strategy.load_privacy_state_dict(self._restored["strategy"])
+        self._begin_session(trainer)
         self._strategy.attach_hooks()
+
+    def _begin_session(self, trainer: Trainer) -> None:
+        """Open the run's ledger, draw this session's nonce and connect the ledger to the private step: before the
+        training loader is made (its sampler draws from streams keyed on the session and the step counter)."""
+        if self._restored is not None:
+            self._charge_ledger(trainer)
+        first = self._sessions == 0  # the run's first fit, not a resume or a second fit
+        if first and self._run_id is None:
+            self._run_id = trainer.strategy.broadcast(new_run_id())
+        if self.secure_rng:
+            randomness = "secure"
+        elif self.deterministic_resume or first:
+            randomness = "seeded" if first else "replay"
+            self._randomness.begin_session(0)
+        else:
+            randomness = "fresh"  # a resume never replays: a nonce no earlier session had
+            self._randomness.begin_session(trainer.strategy.broadcast(os_nonce()))
+        if trainer.is_global_zero and self.ledger_path is not False:
+            path = self._ledger_file_path(trainer)
+            if self._ledger_file is None or self._ledger_file.path != path:
+                self._ledger_file = PrivacyLedger(path, self._run_id, prior=[tuple(s) for s in self.accountant.history])
+            self._ledger_file.begin_session(self._sessions, self.accountant.steps, randomness)
+        elif self.ledger_path is False and first:
+            rank_zero_warn(
+                f"{type(self).__name__}(ledger_path=False): no write-ahead privacy ledger. If the process dies after "
+                "its last checkpoint, the steps it took since cannot be charged on resume."
+            )
+        self._sessions += 1
+        self._strategy.ledger = RunLedger(self.accountant, self._ledger_file, self._step_mechanism)
+
+    def _ledger_file_path(self, trainer: Trainer) -> Path:
+        if self.ledger_path not in (None, False):
+            return Path(self.ledger_path)
+        if self._restored is not None and self._checkpoint_ledger is not None:
+            return Path(self._checkpoint_ledger)
+        return Path(trainer.default_root_dir) / "privacy_ledger" / f"{self._run_id}.jsonl"
+
+    def _charge_ledger(self, trainer: Trainer) -> None:
+        """On a resume: every step the run's ledger holds is charged, also those executed after the checkpoint was
+        written (a process that died after it, a branch resumed from it before). Read on rank 0, shared with all."""
+        history = None
+        if trainer.is_global_zero and self.ledger_path is not False and self._checkpoint_ledger is not None:
+            path = self._ledger_file_path(trainer)
+            if not path.exists():
+                raise PrivacyConfigurationError(
+                    f"the checkpoint's privacy ledger {path} is missing, so the steps taken after the checkpoint was "
+                    "written cannot be charged. Pass ledger_path=<the run's ledger file> (e.g. if the checkpoint was "
+                    "moved), or ledger_path=False to charge only the checkpoint's own history"
+                )
+            try:
+                contents = read_ledger(path)
+            except LedgerError as err:
+                raise PrivacyConfigurationError(str(err)) from err
+            if contents["run"] != self._run_id:
+                raise PrivacyConfigurationError(f"the privacy ledger {path} belongs to another run than the checkpoint")
+            history = ledger_history(contents)
+        history = trainer.strategy.broadcast(history)
+        if history is not None and sum(s for *_, s in history) > self.accountant.steps:
+            extra = sum(s for *_, s in history) - self.accountant.steps
+            rank_zero_warn(
+                f"{type(self).__name__}: the run's privacy ledger holds {extra} step(s) executed after this "
+                "checkpoint was written (a process that stopped before its next checkpoint, or another branch "
+                "resumed from it): they are charged"
+            )
+            self.accountant.history = [list(s) for s in history]
+            self._epsilon_cache = None
+
+    def _step_mechanism(self) -> tuple[float, float]:
+        """``(nu, q)`` of the step being released (captured when the batch started)."""
+        return self._step_noise_multiplier, self._strategy.sample_rate
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy
@@ -283,17 +402,14 @@ class DPCallback(Callback):
                 "records): a mechanism that publishes one random record meets such a delta. Use delta << 1/N."
             )
         planned = trainer.estimated_stepping_batches
-        noise = self._resolve_noise_multiplier(q, planned)
+        noise = self._resolve_noise_multiplier(q, planned - trainer.global_step)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
         taken = self.accountant.steps
         allowed = self._steps_within_budget(noise, q, limit)
         self.max_steps = taken + allowed
         if allowed < 1:
             if taken:
-                raise PrivacyConfigurationError(
-                    f"the privacy budget is already spent ({taken} steps taken, epsilon={self.epsilon:.4g} of "
-                    f"{self.target_epsilon}); this run cannot train further"
-                )
+                raise self._budget_spent()
             raise PrivacyConfigurationError(
                 f"the budget epsilon={self.target_epsilon}, delta={self.target_delta} does not allow a single step "
                 f"at noise multiplier {noise:.4g} and sample rate {q:.4g}; raise the budget or the noise multiplier"
@@ -328,30 +444,24 @@ class DPCallback(Callback):
             prior_history=[tuple(s) for s in self.accountant.history], limit=limit,
         )
 
-    def _restore_history(self, sample_rate: float) -> dict:
-        """Check the checkpoint's privacy settings against this run's and take over its accountant history;
-        returns the checkpoint's settings."""
-        saved = self._restored["config"]
-        mine = self._config(sample_rate)
-        for key in mine:
-            if key == "noise_multiplier":
-                continue  # calibrated, or scheduled: follows from the others
-            if saved.get(key) != mine[key] and not (
-                isinstance(saved.get(key), float) and mine[key] is not None and math.isclose(saved[key], mine[key])
-            ):
-                raise PrivacyConfigurationError(
-                    f"the checkpoint was trained with {key}={saved.get(key)!r}, this run asks for {mine[key]!r}: "
-                    "resume with the same privacy settings (the accountant's history assumes them)"
-                )
-        self.accountant.load_state_dict(self._restored["accountant"])
-        return saved
-
-    def _resolve_noise_multiplier(self, sample_rate: float, planned_steps: float) -> float:
-        if self._restored is not None:
-            return self._restore_history(sample_rate)["noise_multiplier"]
+    def _resolve_noise_multiplier(self, sample_rate: float, remaining_steps: float) -> float:
+        """``nu`` of this fit: the requested one; on a resume with the checkpoint's budget and sample rate, the
+        checkpoint's (the uninterrupted run's plan); otherwise calibrated so that the accountant's history and the
+        ``remaining_steps`` the trainer plans meet the budget."""
         if self.requested_noise_multiplier is not None:
             return self.requested_noise_multiplier
-        if not math.isfinite(planned_steps):
+        if self._restored is not None:
+            saved, mine = self._restored["config"], self._config(sample_rate)
+            changed = [key for key in _PLAN_KEYS if not _same(saved.get(key), mine[key])]
+            if not changed:
+                return saved["noise_multiplier"]
+            rank_zero_info(
+                f"{type(self).__name__}: resumed with other settings ("
+                + ", ".join(f"{key} {saved.get(key)!r} -> {mine[key]!r}" for key in changed)
+                + f"); the composition continues over the {self.accountant.steps} steps taken, and the noise is "
+                "calibrated anew for the steps the trainer still plans"
+            )
+        if not math.isfinite(remaining_steps):
             raise PrivacyConfigurationError(
                 f"{type(self).__name__}(target_epsilon=...) calibrates the noise for a planned number of steps, but "
                 "the trainer has none (max_epochs=-1 and max_steps=-1): set max_epochs or max_steps, or pass "
@@ -359,11 +469,21 @@ class DPCallback(Callback):
             )
         try:
             return calibrate_noise_multiplier(
-                self.target_epsilon, self.target_delta, sample_rate, int(planned_steps), self.accountant.accountant,
-                prior_history=[tuple(s) for s in self.accountant.history],
+                self.target_epsilon, self.target_delta, sample_rate, max(1, int(remaining_steps)),
+                self.accountant.accountant, prior_history=[tuple(s) for s in self.accountant.history],
             )
         except ValueError as err:
+            if self.accountant.steps and self.epsilon >= self.target_epsilon:
+                raise self._budget_spent() from err
             raise PrivacyConfigurationError(str(err)) from err
+
+    def _budget_spent(self) -> PrivacyConfigurationError:
+        return PrivacyConfigurationError(
+            f"the privacy budget is already spent ({self.accountant.steps} steps taken, epsilon={self.epsilon:.4g} of "
+            f"{self.target_epsilon} at delta={self.target_delta}); this run cannot train further. Plan the horizon "
+            "with max_epochs/max_steps when the noise is calibrated, or pass a larger noise_multiplier (or a larger "
+            "target_epsilon: the composition then continues over every step taken)"
+        )
 
     def _check_min_steps(self, trainer: Trainer, allowed: int) -> None:
         min_steps = trainer.fit_loop.min_steps or 0
@@ -387,7 +507,7 @@ class DPCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.accountant.step(self._step_noise_multiplier, self._strategy.sample_rate)
+        # the step was charged when it was released (strategy -> ledger.RunLedger.record_step)
         pl_module.log("dp/clip", self.rule.clip.float(), on_step=True, on_epoch=False, batch_size=1)
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)
@@ -438,19 +558,46 @@ class DPCallback(Callback):
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the settings, the accountant's history, the rule's state (``C_t``, ...), and where
+        the run's ledger is. No seed and no generator state: a resume draws its streams anew from the callback's
+        seed (with a fresh nonce unless ``deterministic_resume``)."""
         if self.rule is None:
             return {}
         return {
             "config": self._config(self._strategy.sample_rate),
             "accountant": self.accountant.state_dict(),
             "rule": self.rule.state_dict(),
-            "strategy": self._strategy.privacy_state_dict(),
+            "ledger": {"run": self._run_id, "path": None if self._ledger_file is None else str(self._ledger_file.path)},
+            "sessions": self._sessions,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict:
-            self._restored = dict(state_dict)
+        """Restore a checkpoint, in one place: the history is taken over at once, whatever this callback's targets
+        (so even a finished checkpoint reports what it spent); the steps its ledger holds beyond it are charged
+        when the fit starts (``on_fit_start``); the rule's state is loaded when training starts."""
+        if not state_dict:
+            return
+        method = state_dict["config"]["method"]
+        if method != type(self).__name__:
+            raise PrivacyConfigurationError(
+                f"the checkpoint was trained with {method}, this run uses {type(self).__name__}: resume with {method} "
+                "(its clipping rule's state is in the checkpoint); the privacy history would carry over, but not C_t"
+            )
+        self.accountant.history = [list(s) for s in state_dict["accountant"]["history"]]
+        self._epsilon_cache = None
+        self._run_id = state_dict["ledger"]["run"]
+        self._checkpoint_ledger = state_dict["ledger"]["path"]
+        self._sessions = state_dict["sessions"]
+        self._restored = dict(state_dict)
 
+
+
+#: The settings whose change on a resume makes the noise be calibrated anew.
+_PLAN_KEYS = ("target_epsilon", "target_delta", "accountant", "sample_rate")
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b))
 
 
 @_document_shared_args
@@ -501,9 +648,12 @@ class OSODP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
+        ledger_path: str | os.PathLike | None | bool = None,
+        deterministic_resume: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
+                         deterministic_resume)
         self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.lr_lr = check_number("lr_lr", lr_lr)
@@ -574,9 +724,12 @@ class FixedThresholdDP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
+        ledger_path: str | os.PathLike | None | bool = None,
+        deterministic_resume: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
+                         deterministic_resume)
         self._clip = check_number("clip", clip, positive=True)
 
     @property
@@ -647,9 +800,12 @@ class FixedQuantileDP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
+        ledger_path: str | os.PathLike | None | bool = None,
+        deterministic_resume: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
+                         deterministic_resume)
         target_quantile = check_number("target_quantile", target_quantile, positive=True)
         if not target_quantile < 1:
             raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")
@@ -705,8 +861,8 @@ class PURDP(DPCallback):
         accountant: ``"prv"`` (default): the exact composition of the steps' Gaussian mechanisms (one Gaussian,
             mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the paper's zCDP accounting (looser); or a
             :class:`~lightning_oso.PrivacyAccountant` to continue.
-        loss_reduction, seed, log_nonprivate_diagnostics, grad_sample_mode, secure_rng: as for
-            :class:`DPCallback`.
+        loss_reduction, seed, log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
+            deterministic_resume: as for :class:`DPCallback`.
 
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument; when training starts, for a batch
@@ -735,9 +891,12 @@ class PURDP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
+        ledger_path: str | os.PathLike | None | bool = None,
+        deterministic_resume: bool = False,
     ) -> None:
         super().__init__(target_epsilon, target_delta, None, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng)
+                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
+                         deterministic_resume)
         if not isinstance(schedule, PURSchedule):
             raise PrivacyConfigurationError(
                 f"schedule must be a lightning_oso.schedules.PURSchedule, got {type(schedule).__name__}"
@@ -768,8 +927,6 @@ class PURDP(DPCallback):
                 f"PURDP runs full-batch gradient descent, but the training loader samples at rate {sample_rate:.4g}: "
                 "build it with DataLoader(dataset, batch_size=len(dataset))"
             )
-        if self._restored is not None:
-            self._restore_history(sample_rate)
         return gaussian_multiplier(self.schedule.noise_std(self._first_step), self.lipschitz,
                                    self._strategy.num_samples)
 

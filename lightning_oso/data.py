@@ -15,33 +15,38 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_oso import randomness
-from lightning_oso.randomness import SecureRandom
+from lightning_oso.randomness import SAMPLING, RunRandomness, Seed
 
 
 class PoissonBatchSampler:
     """Yields ``steps`` batches of indices, each a Poisson sample of ``range(num_samples)`` at rate ``sample_rate``.
 
-    The draws of epoch ``e`` come from a generator seeded with ``(seed, e)``, so a run resumed at an epoch boundary
-    samples exactly what the uninterrupted run would have. Lightning calls ``set_epoch`` on
-    ``dataloader.batch_sampler.sampler``: this object is its own ``sampler``.
+    Batch ``k`` drawn since the sampler was made (across epochs) comes from the stream of step ``first_step + k``
+    of the run's :class:`~lightning_oso.randomness.RunRandomness` (purpose ``SAMPLING``): the private step counts
+    executed steps from the same ``first_step``, so a draw is never repeated within a session, and a resumed
+    session, which has a fresh nonce, never repeats an earlier session's draws (mid-epoch resumes included).
+    Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``: this object is its own ``sampler``, and
+    the epoch does not enter the draws.
 
     Distributed: process ``rank`` of ``world_size`` samples only its shard, the records ``rank, rank + world_size,
-    ...``, each at rate ``q`` from a stream of its own (seeded with ``(seed, e, rank)``). The shards partition the
-    records and the draws are independent, so the batches of all processes together are a Poisson sample of the
+    ...``, each at rate ``q`` from a stream of its own (its rank is part of the stream's key). The shards partition
+    the records and the draws are independent, so the batches of all processes together are a Poisson sample of the
     whole dataset at rate ``q``: the rate the accountant sees.
 
     Args:
         num_samples: ``N``, the size of the dataset.
         sample_rate: ``q``.
         steps: batches per epoch.
-        seed: base seed of the sampling randomness; ``None``: draw from the operating system's secure generator
-            (``randomness.SecureRandom``; not reproducible).
+        seed: the run's randomness (a ``RunRandomness``), or a seed to make one from (an int or a numpy
+            ``SeedSequence``); ``None``: the operating system's secure generator (not reproducible).
         rank: this process's index among ``world_size`` (default: the only one).
         world_size: the number of processes sampling shards.
+        first_step: the step counter of the first batch (the ledger's executed steps when the sampler is made).
     """
 
     def __init__(
-        self, num_samples: int, sample_rate: float, steps: int, seed: int | None, rank: int = 0, world_size: int = 1
+        self, num_samples: int, sample_rate: float, steps: int, seed: Seed | RunRandomness, rank: int = 0,
+        world_size: int = 1, first_step: int = 0,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
@@ -54,8 +59,9 @@ class PoissonBatchSampler:
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = steps
-        self.seed = seed
+        self.randomness = seed if isinstance(seed, RunRandomness) else RunRandomness(seed, secure=seed is None)
         self.rank, self.world_size = rank, world_size
+        self.next_step = first_step
         self.epoch = 0
 
     @property
@@ -69,20 +75,17 @@ class PoissonBatchSampler:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.seed is None:
-            generator = SecureRandom()
-        else:
-            # torch's CPU generator keeps only the low 32 bits of a seed: (epoch, rank) pairs map to distinct seeds
-            # while epochs * world_size < 2**32; on one process this is the seed (seed, epoch) alone
-            stream = (self.seed * 1_000_003 + self.epoch) * self.world_size + self.rank
-            generator = torch.Generator().manual_seed(stream % 2**63)
         shard = torch.arange(self.rank, self.num_samples, self.world_size)
         for _ in range(self.steps):
+            step, self.next_step = self.next_step, self.next_step + 1
+            generator = self.randomness.generator(SAMPLING, step, rank=self.rank)
             mask = randomness.uniform(len(shard), generator) < self.sample_rate
             yield shard[mask].tolist()
 
 
-def poisson_loader(loader: DataLoader, seed: int | None, rank: int = 0, world_size: int = 1) -> DataLoader:
+def poisson_loader(
+    loader: DataLoader, seed: Seed | RunRandomness, rank: int = 0, world_size: int = 1, first_step: int = 0
+) -> DataLoader:
     """A copy of ``loader`` whose batches are Poisson samples at rate ``q = world_size * batch_size / len(dataset)``.
 
     The expected batch size is the loader's ``batch_size`` per process (as in Lightning's DDP), ``world_size`` times
@@ -90,7 +93,7 @@ def poisson_loader(loader: DataLoader, seed: int | None, rank: int = 0, world_si
     steps on several (``B`` the global expected batch size), so every process runs the same number. Workers,
     pinning, the collate function and the rest are kept; empty batches keep the structure of a real one (Opacus'
     ``wrap_collate_with_empty``), so models see tensors with a zero batch dimension. ``seed=None`` samples from the
-    operating system's secure generator.
+    operating system's secure generator; ``first_step``: see :class:`PoissonBatchSampler`.
     """
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
@@ -118,7 +121,7 @@ def poisson_loader(loader: DataLoader, seed: int | None, rank: int = 0, world_si
         )
     return DataLoader(
         dataset,
-        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size),
+        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size, first_step),
         collate_fn=collate,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.randomness import keyed_generator, root_seed_sequence
 from lightning_oso.validation import PrivacyConfigurationError, check_budget_arguments, check_number
 
 
@@ -149,8 +150,9 @@ class LinearScalingSearch:
     best ``r = eta * T``, and one final run, with the whole procedure's privacy composed in one ledger.
 
     The user supplies ``train_fn(hparams, dp) -> score``: ``hparams`` holds ``eta`` (the learning rate) and ``steps``
-    (the Trainer's ``max_steps``); ``dp`` holds ``target_epsilon``, ``target_delta``, ``noise_multiplier`` and
-    ``accountant`` (the procedure's ledger) for the DP callback (``FixedThresholdDP(clip=1.0, **dp)`` with SGD,
+    (the Trainer's ``max_steps``); ``dp`` holds ``target_epsilon``, ``target_delta``, ``noise_multiplier``,
+    ``accountant`` (the procedure's ledger) and ``seed`` (the run's own random streams, spawned from the procedure's
+    ``seed``: no two runs share noise or batches) for the DP callback (``FixedThresholdDP(clip=1.0, **dp)`` with SGD,
     momentum 0.9, full or large batches, as the paper fixes). The score is what selects the best sweep run (the
     paper: training accuracy; or a dict with key ``"score"`` and other metrics to keep).
 
@@ -164,7 +166,8 @@ class LinearScalingSearch:
         runs_per_sweep: ``n``.
         mode: ``"max"`` or ``"min"`` of the score.
         accountant: ``"prv"`` (default) or ``"rdp"``.
-        seed: seed of the draws of ``r`` (data-independent).
+        seed: the root of the procedure's randomness (an int, or ``None`` for 128 bits from the operating system):
+            the draws of ``r`` and every run's streams are derived from it.
 
     Raises:
         PrivacyConfigurationError: for an invalid argument, or when the sweeps alone would spend the budget.
@@ -184,7 +187,7 @@ class LinearScalingSearch:
         steps_min: int = 1,
         mode: str = "max",
         accountant: str = "prv",
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, None)
         if not callable(train_fn):
@@ -215,7 +218,8 @@ class LinearScalingSearch:
         self.sweep_epsilons = (float(sweep_epsilons[0]), float(sweep_epsilons[1]))
         self.runs_per_sweep = runs_per_sweep
         self.mode, self.accountant = mode, accountant
-        self.generator = torch.Generator().manual_seed(seed)
+        self._root = root_seed_sequence(seed)
+        self.generator = keyed_generator(self._root.spawn(1)[0])
         # The sweeps are planned before any data is touched (r is drawn independently of the data), so a budget
         # they would exhaust is refused up front.
         self.sweep_plans = [self._plan_sweep(eps) for eps in self.sweep_epsilons]
@@ -304,7 +308,7 @@ class LinearScalingSearch:
     def _train(self, phase: str, plan: dict, run_epsilon: float, ledger: PrivacyAccountant) -> Trial:
         before = ledger.steps
         dp = {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta,
-              "noise_multiplier": plan["noise_multiplier"], "accountant": ledger}
+              "noise_multiplier": plan["noise_multiplier"], "accountant": ledger, "seed": self._root.spawn(1)[0]}
         returned = self.train_fn({"eta": plan["eta"], "steps": plan["steps"]}, dp)
         metrics = dict(returned) if isinstance(returned, Mapping) else {"score": returned}
         score = float(metrics.pop("score"))

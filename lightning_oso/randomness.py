@@ -1,27 +1,55 @@
-"""Where the randomness of a private step comes from: torch's seeded generators (reproducible, the default), or the
-operating system's cryptographically secure generator (``secure_rng=True``).
+"""Where the randomness of private training comes from: one root seed, derived into independent streams.
 
-torch's generators (Mersenne Twister on CPU, Philox on CUDA) are fast and reproducible from a seed, but their
-output is predictable to whoever learns the state, and an attacker who can predict the Gaussian noise or the Poisson
-draws can subtract them. :class:`SecureRandom` draws from ``os.urandom`` instead: nothing to seed, nothing to
-resume, nothing to predict. The price is speed (``benchmarks/noise_generation.py``: about 37 ns a normal draw on CPU, against 3.5 ns),
-and, on a GPU, a copy of the draws from host to device.
+A run has one root, a :class:`numpy.random.SeedSequence`: the user's ``seed``, or 128 bits from the operating
+system when none is given. Every draw of the run comes from a stream *derived* from that root by a spawn key, never
+from arithmetic on seed integers (two seeds ``s + 1`` and ``s * 1000003 + 1`` can coincide; spawn keys cannot):
 
-Normal draws use the Box-Muller transform on 53-bit uniforms, computed in float64 on the target device and rounded
-to the requested dtype. Most of the cost is reading 8 bytes a number from the kernel's generator.
+    (session nonce, purpose, rank, step)
+
+- *purpose* separates the Gaussian noise from the Poisson sampling (``NOISE``, ``SAMPLING``);
+- *rank* separates the processes of a DDP world;
+- *step* is the privacy ledger's executed-step counter, which never goes back: no two steps of one session share a
+  stream, whatever the epochs and restarts;
+- the *session nonce* is 0 for a run's first fit, and 128 bits from the operating system for every later session
+  of the same run (a resume from a checkpoint, after a crash or not, and a second ``fit``), so that a resume never
+  replays randomness already used: not in mid-epoch, not after a crash, not in two branches from one checkpoint.
+  (``deterministic_resume=True`` on the DP callbacks keeps it at 0: a resumed run then repeats, bit for bit, the
+  uninterrupted one, and two branches from one checkpoint draw the *same* noise: see the README.)
+
+Runs of a search get their own root each (spawned children of the search's), so that two runs composed as
+independent never share a stream, even when the user passes the same seed to each: the runs sharing one ledger
+also differ by their step counters, which continue across the runs.
+
+Each stream is a torch generator keyed by the derived seed sequence: on the CPU a Mersenne Twister whose whole
+19937-bit state comes from the sequence (torch's ``manual_seed`` would keep only 32 bits of a seed, and 2^32 keys
+collide by the birthday bound after ~10^5 streams), on CUDA a Philox generator keyed by 64 bits of it.
+
+``secure_rng=True`` replaces all of this by the operating system's CSPRNG (:class:`SecureRandom`): nothing to seed,
+resume or predict, at about 10x the cost of a normal draw on the CPU (``benchmarks/noise_generation.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from typing import Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
+#: The purposes a stream serves (the second entry of its spawn key).
+NOISE, SAMPLING = 0, 1
+
+Seed = Union[int, np.random.SeedSequence, None]
+
+
 class SecureRandom:
     """Uniform and standard normal tensors from the operating system's CSPRNG (``os.urandom``).
+
+    Normal draws use the Box-Muller transform on 53-bit uniforms, computed in float64 on the target device and
+    rounded to the requested dtype. Most of the cost is reading 8 bytes a number from the kernel's generator.
 
     Example::
 
@@ -51,14 +79,128 @@ class SecureRandom:
         return z.reshape(shape).to(dtype=dtype)
 
 
-def standard_normal_like(like: Tensor, generator: "torch.Generator | SecureRandom | None") -> Tensor:
+Generator = Union[torch.Generator, SecureRandom]
+
+
+def root_seed_sequence(seed: Seed) -> np.random.SeedSequence:
+    """The root of a run's streams: the user's seed (an int, or a ``SeedSequence`` such as a search's spawned
+    child), or 128 bits of OS entropy for ``None``."""
+    if isinstance(seed, np.random.SeedSequence):
+        return seed
+    if seed is None:
+        return np.random.SeedSequence()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, a numpy SeedSequence or None, got {seed!r}")
+    return np.random.SeedSequence(int(seed))
+
+
+def os_nonce() -> int:
+    """128 bits from the operating system: the nonce of a session that must not replay an earlier one."""
+    return int.from_bytes(os.urandom(16), "little")
+
+
+class RunRandomness:
+    """The streams of one run: ``generator(purpose, step, rank, device)`` for every draw, or the secure generator.
+
+    Args:
+        seed: the run's root (see :func:`root_seed_sequence`); ignored when ``secure``.
+        secure: draw everything from :class:`SecureRandom` instead.
+
+    A session (one fit) sets its nonce with :meth:`begin_session`; everything drawn afterwards is keyed on it.
+    """
+
+    def __init__(self, seed: Seed = None, secure: bool = False) -> None:
+        self.secure = secure
+        self.root = None if secure else root_seed_sequence(seed)
+        self.nonce = 0
+        self._secure = SecureRandom() if secure else None
+
+    def begin_session(self, nonce: int) -> None:
+        self.nonce = int(nonce)
+
+    def key(self, purpose: int, step: int, rank: int = 0) -> np.random.SeedSequence:
+        """The derived sequence of one stream: ``root`` extended by ``(nonce, purpose, rank, step)``."""
+        if step < 0 or rank < 0:
+            raise ValueError(f"step and rank must be non-negative, got step={step}, rank={rank}")
+        root = self.root
+        return np.random.SeedSequence(
+            root.entropy, spawn_key=(*root.spawn_key, self.nonce, purpose, rank, step), pool_size=root.pool_size
+        )
+
+    def generator(self, purpose: int, step: int, rank: int = 0, device: torch.device | str = "cpu") -> Generator:
+        """The generator of stream ``(purpose, step, rank)`` on ``device`` (the secure one if ``secure``)."""
+        if self._secure is not None:
+            return self._secure
+        return keyed_generator(self.key(purpose, step, rank), device)
+
+
+def keyed_generator(key: np.random.SeedSequence, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator on ``device`` whose state is derived from ``key``.
+
+    CPU: the Mersenne Twister's 624 state words come from ``key`` (not from a 32-bit seed). CUDA and other devices:
+    the generator is seeded with 64 bits of ``key`` (Philox on CUDA, keyed by the full 64-bit seed).
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        seed = int(key.generate_state(1, np.uint64)[0])
+        return torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator()
+    generator.set_state(_mt19937_state(key.generate_state(624, np.uint32)))
+    return generator
+
+
+# torch's CPU generator state (CPUGeneratorImplState): the_initial_seed u64, left i32, seeded i32, next u64, then the
+# 624 state words (each in a u64), then the normal-sampling caches. Checked once against manual_seed (whose words
+# numpy's MT19937 reproduces) before it is trusted; torch.manual_seed's 32-bit seeding is never used for streams.
+_MT_WORDS_OFFSET = 24
+
+
+@functools.lru_cache(maxsize=1)
+def _template_state() -> bytes:
+    """A freshly seeded CPU generator's state: 'twist before the next draw' (left = 1, next = 0), caches empty."""
+    state = torch.Generator().manual_seed(5489).get_state().numpy().tobytes()
+    if not _layout_matches(state):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s CPU generator state has an unknown layout; lightning_oso cannot key its "
+            "streams with a full Mersenne Twister state. Please report this, with your torch version."
+        )
+    return state
+
+
+def _layout_matches(state: bytes) -> bool:
+    """Whether ``state`` is laid out as expected: its words are those of MT19937 seeded with 5489, and writing another
+    seed's words into it reproduces that seed's draws."""
+    if len(state) < _MT_WORDS_OFFSET + 624 * 8:
+        return False
+    words = np.frombuffer(state, dtype=np.uint64, count=624, offset=_MT_WORDS_OFFSET)
+    if not np.array_equal(words, np.random.RandomState(5489).get_state()[1].astype(np.uint64)):
+        return False
+    other = _with_words(state, np.random.RandomState(7).get_state()[1].astype(np.uint32))
+    generator = torch.Generator()
+    generator.set_state(other)
+    return torch.equal(torch.rand(8, generator=generator), torch.rand(8, generator=torch.Generator().manual_seed(7)))
+
+
+def _with_words(template: bytes, words: np.ndarray) -> torch.Tensor:
+    state = bytearray(template)
+    state[_MT_WORDS_OFFSET : _MT_WORDS_OFFSET + 624 * 8] = words.astype(np.uint64).tobytes()
+    return torch.frombuffer(state, dtype=torch.uint8).clone()
+
+
+def _mt19937_state(words: np.ndarray) -> torch.Tensor:
+    words = words.copy()
+    words[0] |= np.uint32(0x80000000)  # MT19937 uses only the top bit of word 0: never an all-zero state
+    return _with_words(_template_state(), words)
+
+
+def standard_normal_like(like: Tensor, generator: Generator | None) -> Tensor:
     """A tensor of ``N(0, 1)`` draws with ``like``'s shape, dtype and device, from ``generator``."""
     if isinstance(generator, SecureRandom):
         return generator.normal(like.shape, device=like.device, dtype=like.dtype)
     return torch.empty_like(like).normal_(generator=generator)  # on like's device; normal_ beats randn on CPU
 
 
-def uniform(count: int, generator: "torch.Generator | SecureRandom | None") -> Tensor:
+def uniform(count: int, generator: Generator | None) -> Tensor:
     """``count`` uniform draws in [0, 1) on the CPU (float32 for torch's generator, float64 for the secure one)."""
     if isinstance(generator, SecureRandom):
         return generator.uniform((count,))

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.randomness import keyed_generator, root_seed_sequence
 from lightning_oso.validation import PrivacyConfigurationError, check_budget_arguments, check_number
 
 ACCOUNTINGS = ("composition", "random_stopping")
@@ -167,8 +168,11 @@ class HonestGridSearch:
     ``**dp`` to its DP callback (``OSODP``, ``FixedThresholdDP``, ``FixedQuantileDP``), trains at most
     ``steps_per_run`` steps and returns the validation score (or a dict with key ``"score"`` and any other metrics,
     kept per run in ``SearchResult.runs``). ``dp`` holds ``target_epsilon``, ``target_delta``,
-    ``noise_multiplier`` and ``accountant`` (the search's ledger): with it the callback stops any run that would
-    overspend the search's budget. The search checks after every run that the ledger advanced (so the dp arguments
+    ``noise_multiplier``, ``accountant`` (the search's ledger: with it the callback stops any run that would
+    overspend the search's budget) and ``seed``: the run's own random streams, a child of the search's ``seed``
+    spawned for this run alone (``numpy.random.SeedSequence.spawn``), so that no two runs share noise or batches.
+    Do not pass another ``seed`` to the callback (Python refuses the duplicate keyword): the ``seed`` argument of
+    ``train_fn`` is the repeat's seed, for the model's initialisation (``seed_everything``). The search checks after every run that the ledger advanced (so the dp arguments
     were used) by at most ``steps_per_run`` steps.
 
     Args:
@@ -192,7 +196,8 @@ class HonestGridSearch:
         selection_epsilon: epsilon of noisy selection.
         score_sensitivity: how much one validation record can move a (seed-averaged) score, e.g.
             ``1 / len(validation set)`` for accuracy; needed for noisy selection.
-        selection_seed: seed of the selection noise and of random stopping's draws.
+        seed: the root of the search's randomness (an int, or ``None`` for 128 bits from the operating system):
+            every run's streams, the selection noise and random stopping's draws are derived from it.
         progress: show a progress bar over the runs (with the time left).
 
     Raises:
@@ -202,7 +207,8 @@ class HonestGridSearch:
 
         def train(candidate, seed, dp):
             model = Net(lr=candidate["lr"])
-            trainer = L.Trainer(max_steps=200, callbacks=[FixedThresholdDP(clip=candidate["clip"], seed=seed, **dp)])
+            L.seed_everything(seed)  # the model's initialisation; dp carries the run's own DP streams
+            trainer = L.Trainer(max_steps=200, callbacks=[FixedThresholdDP(clip=candidate["clip"], **dp)])
             trainer.fit(model, datamodule)
             return trainer.callback_metrics["val/acc"].item()
 
@@ -230,7 +236,7 @@ class HonestGridSearch:
         selection: str = "best",
         selection_epsilon: float | None = None,
         score_sensitivity: float | None = None,
-        selection_seed: int = 0,
+        seed: int | None = None,
         progress: bool = True,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, None)
@@ -276,7 +282,9 @@ class HonestGridSearch:
         self.selection = selection
         self.selection_epsilon = selection_epsilon
         self.score_sensitivity = score_sensitivity
-        self.generator = torch.Generator().manual_seed(selection_seed)
+        # one root: child 0 for the search's own draws (selection noise, random stopping), one child per run after it
+        self._root = root_seed_sequence(seed)
+        self.generator = keyed_generator(self._root.spawn(1)[0])
         self.progress = progress
         if accounting == "random_stopping":
             self.stop_probability = check_number(
@@ -324,7 +332,7 @@ class HonestGridSearch:
         else:
             budget = (self.run_epsilon, self.run_delta)
         return {"target_epsilon": budget[0], "target_delta": budget[1], "noise_multiplier": self.noise_multiplier,
-                "accountant": ledger}
+                "accountant": ledger, "seed": self._root.spawn(1)[0]}
 
     # ------------------------------------------------------------------ running
     def run(self) -> SearchResult:

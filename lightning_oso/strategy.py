@@ -34,7 +34,7 @@ from torch import Tensor
 from lightning_oso import private_step
 from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
-from lightning_oso.randomness import SecureRandom
+from lightning_oso.randomness import NOISE, RunRandomness
 
 #: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
@@ -50,8 +50,10 @@ class PrivateTraining:
 
     def _init_privacy(self) -> None:
         self.rule = None  # the clipping rule; set by the DP callback before the first step
-        self.sampling_seed: int | None = None
-        self.noise_generator: torch.Generator | SecureRandom | None = None
+        #: the run's random streams (noise and sampling, keyed per step); set by the DP callback
+        self.randomness: RunRandomness | None = None
+        #: the privacy ledger's step counter and write-ahead record (``ledger.RunLedger``); set by the DP callback
+        self.ledger = None
         self.loss_reduction = "mean"
         self.num_samples: int | None = None
         self.expected_batch_size: float | None = None  # B = qN
@@ -62,6 +64,7 @@ class PrivateTraining:
         #: opt-in, non-private statistics of the last step (spec section 0); empty unless collect_diagnostics
         self.collect_diagnostics = False
         self._verify_next_step = False
+        self._noise_stream: tuple | None = None  # (step, generator) of the step being privatised
         self.diagnostics: dict[str, Tensor] = {}
 
     @property
@@ -84,27 +87,27 @@ class PrivateTraining:
     # ------------------------------------------------------------------ configuration from the callback
     def configure_privacy(
         self,
-        sampling_seed: int | None,
-        noise_seed: int | None,
+        randomness: RunRandomness,
         loss_reduction: str = "mean",
         grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
     ) -> None:
-        """Seeds of the sampling and noise randomness (ignored with ``secure_rng``: both then come from the
-        operating system's CSPRNG), the reduction of the user's loss over the batch, and how per-sample norms and
-        sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
+        """The run's random streams (``randomness.RunRandomness``: every step's noise and Poisson draw come from a
+        stream keyed on the ledger's step counter), the reduction of the user's loss over the batch, and how
+        per-sample norms and sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
-        self.sampling_seed = None if secure_rng else sampling_seed
-        self.noise_generator = (
-            SecureRandom() if secure_rng else torch.Generator(device=self.root_device).manual_seed(noise_seed)
-        )
+        self.randomness = randomness
         self.loss_reduction = loss_reduction
         self.grad_sample_mode = grad_sample_mode
 
     @property
     def privacy_configured(self) -> bool:
-        return self.noise_generator is not None
+        return self.randomness is not None
+
+    @property
+    def executed_steps(self) -> int:
+        """The ledger's executed-step counter (0 before the callback connects a ledger)."""
+        return self.ledger.steps if self.ledger is not None else 0
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
@@ -116,7 +119,8 @@ class PrivateTraining:
             raise TypeError(
                 f"the training data must come from a torch DataLoader to be Poisson-sampled; got {type(dataloader).__name__}"
             )
-        loader = poisson_loader(dataloader, seed=self.sampling_seed, rank=self.global_rank, world_size=self.world_size)
+        loader = poisson_loader(dataloader, seed=self.randomness, rank=self.global_rank, world_size=self.world_size,
+                                first_step=self.executed_steps)
         self.num_samples = loader.batch_sampler.num_samples
         self.sample_rate = loader.batch_sampler.sample_rate
         self.expected_batch_size = self.sample_rate * self.num_samples  # B = qN over all processes (spec section 0)
@@ -231,6 +235,9 @@ class PrivateTraining:
         # the host waits)
         if bool(status.any()):
             self._refuse_step(problem, int(nonfinite), norms.shape[0])
+        # the write-ahead record: charged (and on disk) before anything of the step can leave the process
+        if self.ledger is not None:
+            self.ledger.record_step()
         sanitised = private_step.average(totals[: len(sums)], self.expected_batch_size)
         for p, s in zip(params, sanitised):
             p.grad = s[self.rule.GRADIENT].to(p.dtype)
@@ -242,7 +249,15 @@ class PrivateTraining:
         nothing, so after the sum across processes each Gaussian is there exactly once."""
         if not self.adds_noise:
             return sums
-        return private_step.add_gaussian_noise(sums, stds, self.noise_generator)
+        return private_step.add_gaussian_noise(sums, stds, self._noise_generator())
+
+    def _noise_generator(self):
+        """This step's noise stream, keyed on the ledger's executed-step counter (never reused across steps,
+        resumes or crashes: see ``randomness``). Scalar queries draw from it after the vector ones."""
+        if self._noise_stream is None or self._noise_stream[0] != self.executed_steps:
+            generator = self.randomness.generator(NOISE, self.executed_steps, device=self.root_device)
+            self._noise_stream = (self.executed_steps, generator)
+        return self._noise_stream[1]
 
     def _refuse_step(self, problem: tuple[type, str] | None, nonfinite: int, size: int) -> None:
         if problem is not None:
@@ -286,23 +301,6 @@ class PrivateTraining:
                     "call the layer instead, or give the other use its own layer."
                 )
         return None
-
-    # ------------------------------------------------------------------ resume
-    def privacy_state_dict(self) -> dict:
-        secure = isinstance(self.noise_generator, SecureRandom)
-        return {
-            "sampling_seed": self.sampling_seed,
-            "noise_generator": None if secure or self.noise_generator is None else self.noise_generator.get_state(),
-        }
-
-    def load_privacy_state_dict(self, state: Mapping[str, Any]) -> None:
-        if isinstance(self.noise_generator, SecureRandom):
-            return  # nothing to restore: the secure generator is never seeded
-        if state["sampling_seed"] is not None:  # None: the checkpoint's run drew from the secure generator
-            self.sampling_seed = state["sampling_seed"]
-        if state["noise_generator"] is not None:
-            self.noise_generator = torch.Generator(device=self.root_device)
-            self.noise_generator.set_state(state["noise_generator"])
 
 
 class DPStrategy(PrivateTraining, SingleDeviceStrategy):

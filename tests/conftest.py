@@ -59,3 +59,10 @@ def make_trainer(callbacks, **kwargs):
 @pytest.fixture(autouse=True)
 def _seed():
     L.seed_everything(1234, verbose=False)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Every test runs in its own directory: trainers write their logs and privacy ledgers under the working
+    directory (their default_root_dir), never into the repository."""
+    monkeypatch.chdir(tmp_path)

@@ -2,7 +2,6 @@
 
 import glob
 
-import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -12,7 +11,6 @@ from torch import nn
 
 from conftest import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, DPStrategy, compute_epsilon
-from lightning_oso.randomness import SecureRandom
 
 
 def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
@@ -129,41 +127,6 @@ def test_learning_to_classify():
     assert accuracy > 0.8
 
 
-def _run(tmp_path, max_epochs, ckpt_path=None, callbacks=()):
-    L.seed_everything(99, verbose=False)
-    model = ToyModel(momentum=0.5)
-    dp = OSODP(target_epsilon=3.0, target_delta=1e-4, seed=5)
-    trainer = make_trainer([dp, *callbacks], max_epochs=max_epochs, enable_checkpointing=bool(callbacks))
-    trainer.fit(model, toy_loader(), ckpt_path=ckpt_path)
-    return dp, model, trainer
-
-
-def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path):
-    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    full_dp, full_model, full_trainer = _run(tmp_path, 4, callbacks=[checkpoints])
-    resumed_dp, resumed_model, resumed_trainer = _run(tmp_path, 4, ckpt_path=str(tmp_path / "epoch=1.ckpt"))
-    assert resumed_dp.steps == full_dp.steps == 40
-    assert resumed_dp.epsilon == full_dp.epsilon
-    assert resumed_dp.clip == full_dp.clip
-    assert resumed_dp.noise_multiplier == full_dp.noise_multiplier
-    assert float(resumed_trainer.optimizers[0].param_groups[0]["lr"]) == float(
-        full_trainer.optimizers[0].param_groups[0]["lr"]
-    )
-    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
-        torch.testing.assert_close(a, b)
-    # a resumed run that was not restored would differ: the C_t trajectory is noise-dependent
-    fresh_dp, _, _ = _run(tmp_path, 2)
-    assert fresh_dp.steps == 20
-
-
-def test_resume_with_other_privacy_settings_is_refused(tmp_path):
-    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    _run(tmp_path, 1, callbacks=[checkpoints])
-    dp = OSODP(target_epsilon=3.0, target_delta=1e-4, noise_multiplier=2.0, seed=5)
-    with pytest.raises(ValueError, match="same privacy settings"):
-        make_trainer([dp], max_epochs=2).fit(ToyModel(momentum=0.5), toy_loader(), ckpt_path=str(tmp_path / "epoch=0.ckpt"))
-
-
 @pytest.mark.parametrize("secure_rng", [False, True])
 def test_noise_scale_end_to_end(secure_rng):
     """Zero gradients: one step moves the weights by pure noise of std lr * C_0 * nu_g / (qN), from torch's generator
@@ -178,7 +141,7 @@ def test_noise_scale_end_to_end(secure_rng):
     before = model.net[0].weight.detach().clone()
     dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1, secure_rng=secure_rng)
     make_trainer([dp], max_steps=1).fit(model, toy_loader(batch_size=20))
-    assert isinstance(dp._strategy.noise_generator, SecureRandom) == secure_rng
+    assert dp._strategy.randomness.secure == secure_rng
     delta = (model.net[0].weight.detach() - before).flatten()
     expected = 0.1 * dp.gradient_noise_multiplier / 20.0
     assert delta.std().item() == pytest.approx(expected, rel=5 / (2 * delta.numel()) ** 0.5)

@@ -25,13 +25,17 @@ def test_batch_sizes_are_binomial_and_every_record_has_rate_q():
     assert all(len(set(b)) == len(b) for b in batches)  # no duplicates inside a batch
 
 
-def test_epochs_differ_and_are_reproducible():
+def test_draws_are_keyed_on_the_step_counter_never_on_the_epoch():
+    """Every batch comes from the stream of its step: a second pass (epoch) continues the counter and draws anew;
+    a sampler made at step 5 (a resume) draws what step 5 of the same seed and session draws, whatever the epoch;
+    the epoch Lightning sets changes nothing (a mid-epoch resume re-iterates its epoch from the start)."""
     a, b = PoissonBatchSampler(100, 0.1, 5, seed=1), PoissonBatchSampler(100, 0.1, 5, seed=1)
-    first = list(a)
-    a.set_epoch(1)
-    assert list(a) != first
-    b.set_epoch(1)
-    assert list(b) == list(a)
+    first, second = list(a), list(a)
+    assert second != first
+    b.set_epoch(7)
+    assert list(b) == first
+    assert list(PoissonBatchSampler(100, 0.1, 5, seed=1, first_step=5)) == second
+    assert list(PoissonBatchSampler(100, 0.1, 5, seed=2)) != first
     assert a.sampler is a  # Lightning calls set_epoch on dataloader.batch_sampler.sampler
 
 

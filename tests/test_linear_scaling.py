@@ -79,7 +79,7 @@ def test_real_runs_through_the_plugin(tmp_path):
 
     def train(hparams, dp):
         model = ToyModel(lr=hparams["eta"], momentum=0.9)
-        trainer = make_trainer([FixedThresholdDP(clip=1.0, seed=0, **dp)], max_steps=hparams["steps"],
+        trainer = make_trainer([FixedThresholdDP(clip=1.0, **dp)], max_steps=hparams["steps"],
                                max_epochs=None)
         trainer.fit(model, DataLoader(data, batch_size=120))
         x, y = data.tensors

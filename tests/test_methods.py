@@ -3,10 +3,8 @@ noise and sensitivity, and each trained end to end through the plugin."""
 
 import math
 
-import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from conftest import ToyModel, make_trainer, toy_loader
@@ -119,23 +117,6 @@ def test_quantile_refuses_too_much_noise_for_the_count():
     dp = FixedQuantileDP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=3.0)  # B=20: 2 sigma_b = 2
     with pytest.raises(PrivacyConfigurationError, match="count_noise_std"):
         make_trainer([dp], max_epochs=1).fit(ToyModel(), toy_loader())
-
-
-def test_quantile_resume_ends_where_the_uninterrupted_run_ends(tmp_path):
-    def run(max_epochs, ckpt_path=None, callbacks=()):
-        L.seed_everything(3, verbose=False)
-        model = ToyModel()
-        dp = FixedQuantileDP(target_epsilon=4.0, target_delta=1e-4, target_quantile=0.7, seed=2)
-        make_trainer([dp, *callbacks], max_epochs=max_epochs, enable_checkpointing=bool(callbacks)).fit(
-            model, toy_loader(), ckpt_path=ckpt_path)
-        return dp, model
-
-    full_dp, full_model = run(3, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")])
-    resumed_dp, resumed_model = run(3, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
-    assert resumed_dp.steps == full_dp.steps == 30
-    assert resumed_dp.clip == full_dp.clip != 0.1
-    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
-        torch.testing.assert_close(a, b)
 
 
 # ------------------------------------------------------------------ DPAdam / DPAdamWOSM

@@ -7,7 +7,6 @@ import lightning.pytorch as L
 import pytest
 import torch
 from conftest import make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -194,23 +193,6 @@ def test_pur_refuses_minibatches_and_momentum():
         _pur(accountant="rdp")
     with pytest.raises(PrivacyConfigurationError, match="PURSchedule"):
         PURDP("convex", 1.0, 1.0)
-
-
-def test_pur_resume_ends_where_the_uninterrupted_run_ends(tmp_path):
-    def run(max_epochs, ckpt=None, callbacks=()):
-        L.seed_everything(3, verbose=False)
-        dp, _ = _pur(epsilon=1.0)
-        model = Logistic(4)
-        make_trainer([dp, *callbacks], max_epochs=max_epochs, enable_checkpointing=bool(callbacks)).fit(
-            model, DataLoader(_data(), batch_size=120), ckpt_path=ckpt)
-        return dp, model
-
-    full_dp, full = run(100_000, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=5,
-                                                           filename="{epoch}")])
-    resumed_dp, resumed = run(100_000, ckpt=str(tmp_path / "epoch=4.ckpt"))
-    assert resumed_dp.steps == full_dp.steps and resumed_dp.epsilon == full_dp.epsilon
-    assert resumed_dp.rule.t == full_dp.rule.t == full_dp.steps + 1
-    torch.testing.assert_close(resumed.theta.weight, full.theta.weight)
 
 
 def test_pur_composes_with_an_earlier_history():

@@ -23,7 +23,7 @@ STEPS = 10  # per run: 200 records, batch 20 -> q = 0.1, one epoch
 
 def _train(candidate, seed, dp):
     model = ToyModel(lr=candidate["lr"])
-    callback = FixedThresholdDP(clip=candidate["clip"], seed=seed, **dp)
+    callback = FixedThresholdDP(clip=candidate["clip"], **dp)
     make_trainer([callback], max_steps=STEPS).fit(model, toy_loader())
     x, y = toy_loader().dataset.tensors
     return (model(x).argmax(1) == y).float().mean().item()
@@ -92,7 +92,7 @@ def test_a_run_longer_than_planned_is_caught_and_never_overspends():
     spent = []
 
     def greedy(candidate, seed, dp):
-        callback = OSODP(seed=seed, **dp)
+        callback = OSODP(**dp)
         make_trainer([callback], max_steps=3 * STEPS).fit(ToyModel(), toy_loader())
         spent.append(callback.epsilon)
         return 0.0
