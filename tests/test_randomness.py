@@ -52,3 +52,125 @@ def test_secure_rng_trains_and_refuses_a_seed():
         OSODP(target_epsilon=3.0, secure_rng=True, seed=1)
     with pytest.raises(PrivacyConfigurationError, match="secure_rng must be True or False"):
         OSODP(target_epsilon=3.0, secure_rng="yes")
+
+
+# ------------------------------------------------------------------ one seed, independent streams
+def _mt_words(generator):
+    return generator.get_state().numpy()[24 : 24 + 624 * 8].tobytes()
+
+
+def test_no_two_streams_of_a_run_or_a_world_coincide_or_correlate():
+    """Noise and sampling, DDP ranks, steps and sessions of one seed: every stream has its own generator state, and
+    their draws are uncorrelated. The reviewer's collision (seed=0: noise seeded 1, epoch-1 sampler seeded
+    0 * 1000003 + 1 = 1) cannot happen: no stream is keyed by arithmetic on the seed."""
+    from lightning_oso.randomness import NOISE, SAMPLING, RunRandomness, os_nonce
+
+    states, draws = set(), []
+    for seed in (0, 1):
+        for nonce in (0, os_nonce()):
+            run = RunRandomness(seed)
+            run.begin_session(nonce)
+            for purpose in (NOISE, SAMPLING):
+                for rank in range(4):
+                    for step in range(12):
+                        generator = run.generator(purpose, step, rank)
+                        states.add(_mt_words(generator))
+                        draws.append(torch.randn(400, generator=generator, dtype=torch.float64))
+    assert len(states) == len(draws) == 2 * 2 * 2 * 4 * 12
+    correlations = torch.corrcoef(torch.stack(draws))
+    off_diagonal = correlations[~torch.eye(len(draws), dtype=torch.bool)]
+    # 768 streams, ~3e5 pairs of 400 draws: |r| of independent streams stays below 6 / sqrt(400)
+    assert off_diagonal.abs().max().item() < 6 / 400**0.5
+
+
+def test_released_noise_does_not_reveal_the_batches():
+    """The reviewer's attack: knowing the noise of a step (e.g. from two releases), predict who was sampled. With
+    seed=0 the old code drew the noise and the epoch-1 batches from one generator state: the noise's uniforms told
+    membership with TPR 0.92. Now the membership guess from the noise stream is at chance."""
+    from lightning_oso.randomness import NOISE, SAMPLING, RunRandomness
+
+    run, q, n = RunRandomness(0), 0.1, 20_000
+    hits = []
+    for step in range(5):
+        sampled = torch.rand(n, generator=run.generator(SAMPLING, step)) < q
+        for noise_step in range(5):
+            guess = torch.rand(n, generator=run.generator(NOISE, noise_step)) < q  # the attacker's replay
+            hits.append((guess & sampled).sum().item() / sampled.sum().item())
+    assert max(abs(h - q) for h in hits) < 0.03  # true positive rate at chance (q), not 0.92
+
+
+def test_cpu_streams_use_the_whole_mersenne_twister_state():
+    """torch's manual_seed keeps 32 bits of a seed (2**40 + 5 and 5 give the same draws); our streams set all 624
+    words from the derived key, and the layout is checked against manual_seed's own words."""
+    from lightning_oso.randomness import _layout_matches, _template_state, keyed_generator
+
+    same = torch.rand(3, generator=torch.Generator().manual_seed(2**40 + 5))
+    assert torch.equal(same, torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    assert _layout_matches(_template_state())
+    a = keyed_generator(np.random.SeedSequence(5, spawn_key=(0,)))
+    b = keyed_generator(np.random.SeedSequence(5, spawn_key=(1,)))
+    assert len(set(np.frombuffer(_mt_words(a), dtype=np.uint64).tolist())) > 600  # a full state, not a 32-bit seed's
+    assert not torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+
+
+class _ZeroLoss(ToyModel):
+    """Zero gradients: the parameters move by each step's noise alone."""
+
+    def __init__(self):
+        super().__init__(net=torch.nn.Sequential(torch.nn.Linear(10, 300)), lr=1.0)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return 0.0 * self(x).sum()
+
+
+def _noise_of(dp):
+    model = _ZeroLoss()
+    before = model.net[0].weight.detach().clone()
+    make_trainer([dp], max_epochs=1).fit(model, toy_loader())
+    return (model.net[0].weight.detach() - before).flatten()
+
+
+def test_runs_sharing_a_ledger_never_share_noise_even_with_one_seed():
+    """Two runs composed in one accountant (as a search does) and given the *same* seed: their streams are keyed on
+    the ledger's step counter, which continues across runs, so their noise is independent (were it equal, the
+    difference of the two releases would reveal the exact clipped sums)."""
+    from lightning_oso import FixedThresholdDP, PrivacyAccountant
+
+    ledger = PrivacyAccountant(1e-4)
+    kwargs = dict(target_epsilon=50.0, target_delta=1e-4, noise_multiplier=1.0, clip=1.0, seed=0, accountant=ledger)
+    first, second = _noise_of(FixedThresholdDP(**kwargs)), _noise_of(FixedThresholdDP(**kwargs))
+    assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1].item()) < 5 / first.numel() ** 0.5
+    # without the shared ledger, the same seed is the same run: identical noise (a seed names a run)
+    alone = dict(kwargs, accountant="prv")
+    torch.testing.assert_close(_noise_of(FixedThresholdDP(**alone)), _noise_of(FixedThresholdDP(**alone)))
+
+
+@pytest.mark.parametrize("accounting", ["composition", "random_stopping"])
+def test_search_runs_get_their_own_streams(accounting):
+    """HonestGridSearch with two identical candidates: each run gets a child seed of its own (random stopping even
+    gives each run a fresh ledger), so the runs' noise is independent; the same search seed reproduces them."""
+    from lightning_oso import FixedThresholdDP, HonestGridSearch
+
+    def search(seed):
+        noises = []
+
+        def train(candidate, seed, dp):
+            noises.append(_noise_of(FixedThresholdDP(clip=1.0, **dp)))
+            return 0.0
+
+        HonestGridSearch([{"lr": 1.0}, {"lr": 1.0}], train, target_epsilon=20.0, target_delta=1e-4,
+                         sample_rate=0.1, steps_per_run=10, accounting=accounting, stop_probability=0.5,
+                         progress=False, seed=seed).run()
+        return noises
+
+    noises = search(seed=7)
+    assert len(noises) >= 2 or accounting == "random_stopping"
+    for i in range(len(noises)):
+        for j in range(i):
+            assert abs(torch.corrcoef(torch.stack([noises[i], noises[j]]))[0, 1].item()) < 5 / noises[i].numel() ** 0.5
+    again = search(seed=7)
+    for a, b in zip(noises, again):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'seed'"):
+        FixedThresholdDP(clip=1.0, seed=0, **{"target_epsilon": 1.0, "seed": 1})
