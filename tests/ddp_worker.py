@@ -7,8 +7,8 @@ Scenarios:
     train     OSO with momentum, a budget that stops training before max_epochs; records the batches each
               process saw (record indices), so the test can check the shards and the global rate.
     noise     zero gradients, FixedThresholdDP: one step moves the weights by the noise alone.
-    resume    as ``train``, noise calibrated for 4 epochs, a checkpoint after each; with CKPT=load, resume from the
-              one after the first epoch.
+    resume    as ``train`` with deterministic_resume, 4 epochs at a fixed noise multiplier; with CKPT=part, one
+              epoch and its checkpoint (an interrupted run); with CKPT=load, resume that checkpoint to 4 epochs.
     nan       an inf input on rank 1 in step 2 only: every process must refuse the step (none hangs).
 """
 
@@ -58,6 +58,7 @@ def indexed_data() -> TensorDataset:
 
 def main(scenario: str, out: Path, ckpt: str | None) -> None:
     L.seed_everything(7, verbose=False)
+    out.mkdir(parents=True, exist_ok=True)
     if scenario == "noise":
         model = ZeroLoss(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
         dp = FixedThresholdDP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=2.0, clip=0.5, seed=3)
@@ -72,11 +73,11 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
         plan = dict(max_epochs=1)
     else:  # resume
         model = Indexed(momentum=0.5)
-        dp = OSODP(target_epsilon=3.0, target_delta=1e-3, seed=3)
-        plan = dict(max_epochs=4)
+        dp = OSODP(target_epsilon=10.0, target_delta=1e-3, noise_multiplier=1.0, seed=3, deterministic_resume=True)
+        plan = dict(max_epochs=1 if ckpt == "part" else 4)
     initial = [p.detach().clone() for p in model.parameters()]
     checkpoints = []
-    if scenario == "resume" and ckpt is None:
+    if scenario == "resume" and ckpt == "part":
         checkpoints = [ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1, filename="{epoch}")]
     trainer = L.Trainer(
         accelerator="cpu",
@@ -88,6 +89,7 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        default_root_dir=out,
         **plan,
     )
     data = indexed_data() if scenario != "noise" else toy_data(N)

@@ -83,8 +83,11 @@ def test_noise_is_added_once_globally(tmp_path):
 
 
 def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(tmp_path):
-    full = _launch("resume", tmp_path)  # checkpoints after every epoch
-    resumed = _launch("resume", tmp_path, "load")  # from the one after the first epoch
+    """deterministic_resume across processes: an interrupted run resumed from its checkpoint ends where the
+    uninterrupted one ends, on every process (the ledger, written by rank 0, charges the same steps on all)."""
+    full = _launch("resume", tmp_path / "full")
+    _launch("resume", tmp_path, "part")  # one epoch, its checkpoint
+    resumed = _launch("resume", tmp_path, "load")  # from it, to 4 epochs
     _same_on_every_process(resumed, ["clip", "lr", "steps", "epsilon"])
     assert resumed[0]["steps"] == full[0]["steps"] == 40
     for key in ("clip", "lr", "epsilon", "noise_multiplier"):
