@@ -207,6 +207,20 @@ def _discretise(prv, domain):
     return DiscretePRV(pmf=pmf, domain=domain.shift_right(mean_shift))
 
 
+def _log_shifted_ratio(t: np.ndarray, q: float) -> np.ndarray:
+    """``z = log((e^t - 1 + q) / q)`` for ``t > log(1 - q)``, the Gaussian's privacy loss behind the subsampled one's
+    loss ``t``, without overflow: ``np.expm1(t)`` is ``inf`` above t ~ 709.78, which made the CDF 1 there and
+    truncated every privacy loss distribution (and so every epsilon) at 709.79. Above ``t = 1`` the form
+    ``t + log1p((q - 1) e^-t) - log q`` is used; below, ``log1p(expm1(t) / q)`` keeps the precision near the edge of
+    the support."""
+    z = np.empty_like(t)
+    small = t <= 1.0
+    z[small] = np.log1p(np.expm1(t[small]) / q)
+    large = ~small
+    z[large] = t[large] + np.log1p((q - 1) * np.exp(-t[large])) - math.log(q)
+    return z
+
+
 def _subsampled_gaussian_prv(noise: float, rate: float):
     """Opacus' PRV of the Poisson-subsampled Gaussian (Gopi et al. 2021, Proposition B4) with its CDF evaluated on
     the support only: the same formula, half the work on the millions of grid points of a long run."""
@@ -219,7 +233,7 @@ def _subsampled_gaussian_prv(noise: float, rate: float):
             t = np.asarray(t, dtype=float)
             out = np.zeros_like(t)
             support = t > (math.log1p(-q) if q < 1 else -math.inf)  # q = 1: the plain Gaussian, support all t
-            z = np.log((np.expm1(t[support]) + q) / q)
+            z = _log_shifted_ratio(t[support], q)
             scale = 2 * math.sqrt(2) * sigma
             out[support] = (
                 1.0
@@ -229,6 +243,33 @@ def _subsampled_gaussian_prv(noise: float, rate: float):
             return out
 
     return _PRV(rate, noise)
+
+
+def _discrete_epsilon(dprv, delta: float, delta_error: float, eps_error: float) -> tuple[float, float]:
+    """``(estimate, upper bound)`` of epsilon from a discretised privacy loss distribution: Opacus'
+    ``DiscretePRV.compute_epsilon`` (the same formulas) without its overflow.
+
+    Opacus evaluates ``delta(t_i) = P(L >= t_i) - e^(t_i) sum_{j >= i} p_j e^(-t_j)`` with ``np.exp(t)`` on the whole
+    grid: ``inf`` above t ~ 709.78 (and ``e^(-t_j)`` below -709.78), so no epsilon above 709.79 could come out. Here
+    ``s_i = sum_{j >= i} p_j e^(t_i - t_j)`` (all exponents <= 0) comes from the recursion ``s_i = p_i + e^(-dt)
+    s_(i+1)`` on the uniform grid, and ``epsilon = t_i + log(P(L >= t_i) - delta) - log(s_i)``.
+    """
+    from scipy.signal import lfilter
+
+    if np.finfo(np.longdouble).eps * dprv.domain.size > delta - delta_error:
+        raise ValueError("Floating point errors will dominate for such small values of delta.")
+    t, p = dprv.domain.ts, dprv.pmf
+    tail = np.flip(np.flip(p).cumsum())  # P(L >= t_i)
+    scaled = np.flip(lfilter([1.0], [1.0, -math.exp(-dprv.domain.dt)], np.flip(p)))  # s_i
+    neg_delta = scaled - tail  # -delta(t_i), non-decreasing in i
+
+    def find_epsilon(target: float) -> float:
+        i = int(np.searchsorted(neg_delta, -target, side="left"))
+        if i <= 0 or i >= len(t):
+            raise RuntimeError("Cannot compute epsilon: the target delta is not reached on the grid")
+        return float(t[i] + math.log(tail[i] - target) - math.log(scaled[i]))
+
+    return find_epsilon(delta), find_epsilon(delta - delta_error) + eps_error
 
 
 @functools.lru_cache(maxsize=4096)
@@ -250,7 +291,7 @@ def _prv_bounds_cached(history: tuple[Segment, ...], delta: float, eps_error: fl
             )
         truncated = [TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max) for prv in prvs]
         composed = compose_heterogeneous([_discretise(t, domain) for t in truncated], steps)
-        _, estimate, upper = composed.compute_epsilon(delta, delta_error, eps_error)
+        estimate, upper = _discrete_epsilon(composed, delta, delta_error, eps_error)
     if not (math.isfinite(upper) and math.isfinite(estimate)):
         raise AccountingError(f"the PRV accountant returned a non-finite epsilon ({upper})")
     return float(estimate), float(upper)

@@ -208,3 +208,49 @@ def test_prv_at_sample_rate_one_is_the_gaussian_mechanism():
         warnings.simplefilter("error")  # no fallback to RDP
         ours = accounting.prv_epsilon([(nu, 1.0, steps)], delta)
     assert exact <= ours <= exact + 0.011
+
+
+def _mpmath_gaussian_epsilon(mu, delta):
+    """Independent exact epsilon of mu-GDP at delta: ``delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``
+    (Balle and Wang 2018) at 50 digits, where nothing overflows or cancels, solved by mpmath's bracketing root-finder
+    on ``log delta``. The bracket: delta(0) = erf(mu / (2 sqrt 2)) above, and below, the epsilon where
+    ``Phi(-eps/mu + mu/2) <= exp(-(eps/mu - mu/2)^2 / 2) = delta``."""
+    import mpmath
+
+    with mpmath.workdps(50):
+        mu, delta = mpmath.mpf(mu), mpmath.mpf(delta)
+
+        def f(eps):
+            return mpmath.log(mpmath.ncdf(-eps / mu + mu / 2) - mpmath.exp(eps) * mpmath.ncdf(-eps / mu - mu / 2)) - mpmath.log(delta)
+
+        if f(mpmath.mpf(0)) <= 0:
+            return mpmath.mpf(0)
+        hi = mu**2 / 2 + mu * mpmath.sqrt(2 * mpmath.log(1 / delta))
+        return mpmath.findroot(f, (mpmath.mpf(0), hi), solver="anderson", tol=mpmath.mpf(10) ** -40)
+
+
+def test_mixed_history_costs_at_least_its_full_batch_part():
+    """A subsampled segment composed with a costly full-batch one (exact epsilon 730 to 5400): composition only
+    adds cost, so the reported epsilon is at least the full-batch part's exact epsilon (mpmath). It used to be
+    ~709.7 for the first two (the PRV truncated every privacy loss above 709.78); the third is now a PRV bound too."""
+    for history in ([(1.0, 0.01, 10), (1 / 34.5, 1.0, 1)], [(2.0, 0.01, 1), (1 / 35.0, 1.0, 1)],
+                    [(2.0, 0.01, 1), (0.01, 1.0, 1)]):
+        mu = math.sqrt(sum(t / nu**2 for nu, rate, t in history if rate == 1.0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = compute_epsilon(history, 1e-5)
+        assert math.isfinite(ours)
+        assert ours >= _mpmath_gaussian_epsilon(mu, 1e-5), history
+        assert ours <= accounting.rdp_epsilon(history, 1e-5)
+
+
+def test_prv_bound_is_not_capped_at_709():
+    """The PRV machinery itself (used for mixed histories) at a full-batch mechanism with epsilon in the thousands: its
+    bound is above the exact epsilon and close to it. Its CDF (np.expm1) and Opacus' epsilon search (np.exp on the
+    grid) overflowed above t ~ 709.78 and reported 709.79."""
+    for mu in (40.0, 100.0):
+        exact = _mpmath_gaussian_epsilon(mu, 1e-5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours = accounting.prv_epsilon([(1 / mu, 1.0, 1)], 1e-5)
+        assert exact <= ours <= exact + 0.05
