@@ -7,11 +7,20 @@ accountant's amplification-by-subsampling analysis holds only for this sampling:
 from __future__ import annotations
 
 import math
-from typing import Iterator
+import operator
+from typing import Iterator, Sequence
 
 import torch
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_oso import randomness
@@ -19,7 +28,8 @@ from lightning_oso.randomness import SAMPLING, RunRandomness, Seed
 
 
 class PoissonBatchSampler:
-    """Yields ``steps`` batches of indices, each a Poisson sample of ``range(num_samples)`` at rate ``sample_rate``.
+    """Yields ``steps`` batches of indices, each a Poisson sample of the index set at rate ``sample_rate``: of
+    ``range(num_samples)``, or of ``indices`` (the records the user's sampler draws from) where given.
 
     Batch ``k`` drawn since the sampler was made (across epochs) comes from the stream of step ``first_step + k``
     of the run's :class:`~lightning_oso.randomness.RunRandomness` (purpose ``SAMPLING``): the private step counts
@@ -34,7 +44,7 @@ class PoissonBatchSampler:
     whole dataset at rate ``q``: the rate the accountant sees.
 
     Args:
-        num_samples: ``N``, the size of the dataset.
+        num_samples: ``N``, the size of the index set (of the dataset, without ``indices``).
         sample_rate: ``q``.
         steps: batches per epoch.
         seed: the run's randomness (a ``RunRandomness``), or a seed to make one from (an int or a numpy
@@ -42,11 +52,20 @@ class PoissonBatchSampler:
         rank: this process's index among ``world_size`` (default: the only one).
         world_size: the number of processes sampling shards.
         first_step: the step counter of the first batch (the ledger's executed steps when the sampler is made).
+        indices: the dataset indices of the records to sample from, ``N`` of them without duplicates; the shards
+            are the positions ``rank, rank + world_size, ...`` of this list. ``None``: ``range(num_samples)``.
     """
 
     def __init__(
-        self, num_samples: int, sample_rate: float, steps: int, seed: Seed | RunRandomness, rank: int = 0,
-        world_size: int = 1, first_step: int = 0,
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps: int,
+        seed: Seed | RunRandomness,
+        rank: int = 0,
+        world_size: int = 1,
+        first_step: int = 0,
+        indices: Sequence[int] | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
@@ -63,6 +82,9 @@ class PoissonBatchSampler:
         self.rank, self.world_size = rank, world_size
         self.next_step = first_step
         self.epoch = 0
+        self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
+        if self.indices is not None and len(self.indices) != num_samples:
+            raise ValueError(f"indices has {len(self.indices)} entries, but num_samples is {num_samples}")
 
     @property
     def sampler(self) -> "PoissonBatchSampler":
@@ -80,14 +102,20 @@ class PoissonBatchSampler:
             step, self.next_step = self.next_step, self.next_step + 1
             generator = self.randomness.generator(SAMPLING, step, rank=self.rank)
             mask = randomness.uniform(len(shard), generator) < self.sample_rate
-            yield shard[mask].tolist()
+            yield self._records(shard[mask])
+
+    def _records(self, positions: torch.Tensor) -> list[int]:
+        """The dataset indices at these positions of the index set."""
+        return (positions if self.indices is None else self.indices[positions]).tolist()
 
 
 def poisson_loader(
     loader: DataLoader, seed: Seed | RunRandomness, rank: int = 0, world_size: int = 1, first_step: int = 0
 ) -> DataLoader:
-    """A copy of ``loader`` whose batches are Poisson samples at rate ``q = world_size * batch_size / len(dataset)``.
+    """A copy of ``loader`` whose batches are Poisson samples at rate ``q = world_size * batch_size / N``.
 
+    The records are those the loader's sampler draws from (:func:`index_set_of`): the whole dataset for a plain
+    loader, a ``SubsetRandomSampler``'s indices; other samplers are refused. ``N`` is their number.
     The expected batch size is the loader's ``batch_size`` per process (as in Lightning's DDP), ``world_size`` times
     that over all processes; an epoch keeps the loader's number of batches on one process, and has ``ceil(N / B)``
     steps on several (``B`` the global expected batch size), so every process runs the same number. Workers,
@@ -102,9 +130,10 @@ def poisson_loader(
             "reachable by index); use a map-style Dataset"
         )
     batch_size = expected_batch_size_of(loader) * world_size
-    num_samples = len(dataset)
-    if num_samples == 0:
+    if len(dataset) == 0:
         raise ValueError("the training dataset is empty")
+    indices = index_set_of(loader, rank, world_size)  # refuses samplers it cannot honour, before touching data
+    num_samples = len(dataset) if indices is None else len(indices)
     sample_rate = min(1.0, batch_size / num_samples)
     steps = max(1, len(loader)) if world_size == 1 else math.ceil(num_samples / batch_size)
     if isinstance(dataset, TensorDataset) and loader.collate_fn in (None, default_collate):
@@ -112,7 +141,7 @@ def poisson_loader(
         # by itself), without a Python call per record, which dominates full-batch steps on large datasets
         dataset, collate = _BatchedTensors(dataset), _as_batch
     else:
-        first = dataset[0]
+        first = dataset[0 if indices is None else indices[0]]
         items = first if isinstance(first, (tuple, list)) else [first]
         collate = wrap_collate_with_empty(
             collate_fn=loader.collate_fn or default_collate,
@@ -121,7 +150,8 @@ def poisson_loader(
         )
     return DataLoader(
         dataset,
-        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size, first_step),
+        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size, first_step,
+                                          indices),
         collate_fn=collate,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
@@ -131,6 +161,92 @@ def poisson_loader(
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )
+
+
+def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list[int] | None:
+    """The dataset indices the loader's sampler draws from, which the Poisson sample replaces: ``None`` for the whole
+    dataset, else a duplicate-free list. Raises ``ValueError`` for any other sampler (``WeightedRandomSampler``,
+    ``RandomSampler`` with replacement or ``num_samples``, a custom one): the Poisson copy would train on records
+    it leaves out, or drop its weighting.
+
+    - ``SequentialSampler``, ``RandomSampler`` without replacement or ``num_samples``: the whole dataset.
+    - ``SubsetRandomSampler``, or any sampler with a finite duplicate-free ``indices`` sequence: those indices.
+    - Lightning's distributed samplers under DDP (``use_distributed_sampler``, the default): the ``DistributedSampler``
+      it puts in place of a sequential or random one means the whole dataset, each process a shard (which the
+      Poisson sampler shards itself); the ``DistributedSamplerWrapper`` around any other sampler is looked through.
+    """
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and not hasattr(batch_sampler, "sampler"):
+        raise ValueError(
+            f"the training loader's batch_sampler ({type(batch_sampler).__name__}) has no .sampler, so the records it "
+            "draws from cannot be told and Poisson sampling could train on records it leaves out: build the loader "
+            "with DataLoader(dataset, batch_size=...), over torch.utils.data.Subset(dataset, indices) for a subset"
+        )
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    dataset_size = len(loader.dataset)
+    wrappers = _distributed_sampler_wrapper_types()
+    if isinstance(sampler, wrappers) or type(sampler) is DistributedSampler:
+        if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+            raise _refusal(
+                sampler, f"it is process {sampler.rank}'s shard of {sampler.num_replicas}, but the training runs "
+                f"{world_size} process(es) and this is process {rank}"
+            )
+        if isinstance(sampler, wrappers):  # Lightning's wrapper around the user's sampler: look through it
+            sampler = getattr(sampler.dataset, "_sampler", sampler)
+        elif sampler.dataset is loader.dataset:
+            return None  # Lightning's (or an equal) DistributedSampler: every record is in some process's shard
+        else:
+            raise _refusal(sampler, "it samples another dataset than the loader's")
+    if type(sampler) is RandomSampler and (sampler.replacement or getattr(sampler, "_num_samples", None) is not None):
+        raise _refusal(
+            sampler, "it draws with replacement" if sampler.replacement else
+            f"it draws num_samples={sampler.num_samples} records an epoch, not each of the {dataset_size} once"
+        )
+    if type(sampler) in (SequentialSampler, RandomSampler):
+        size = len(sampler.data_source)
+        if size == dataset_size:
+            return None
+        if size > dataset_size:
+            raise _refusal(sampler, f"it draws from {size} indices, more than the dataset's {dataset_size} records")
+        return list(range(size))
+    indices = getattr(sampler, "indices", None)
+    if indices is None or isinstance(indices, (str, bytes)) or not hasattr(indices, "__len__"):
+        raise _refusal(sampler, "the records it draws from cannot be told (it has no finite .indices sequence)")
+    try:
+        indices = [operator.index(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+    except TypeError as err:
+        raise _refusal(sampler, f"its .indices are not all integers ({err})") from err
+    if not indices:
+        raise ValueError(f"the training loader's {type(sampler).__name__} has no indices: there is nothing to train on")
+    if len(set(indices)) != len(indices):
+        raise ValueError(
+            f"the training loader's {type(sampler).__name__} lists some indices more than once; Poisson sampling "
+            "takes each record at most once per batch, with the same probability (the privacy analysis counts each "
+            "record once): pass each index once"
+        )
+    if min(indices) < 0 or max(indices) >= dataset_size:
+        raise ValueError(
+            f"the training loader's {type(sampler).__name__} has indices outside the dataset's range(0, {dataset_size})"
+        )
+    return indices
+
+
+def _refusal(sampler: object, reason: str) -> ValueError:
+    return ValueError(
+        f"the training loader's sampler is a {type(sampler).__name__}, which DP training cannot honour: {reason}. "
+        "Poisson sampling replaces the sampler and takes each record of the index set with the same probability; "
+        "to train on a subset, wrap it in torch.utils.data.Subset(dataset, indices) and use a plain "
+        "DataLoader(subset, batch_size=...), or pass sampler=SubsetRandomSampler(indices)"
+    )
+
+
+def _distributed_sampler_wrapper_types() -> tuple[type, ...]:
+    """Lightning's wrapper of a user's sampler under DDP (``DistributedSamplerWrapper``), where installed."""
+    try:
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    except ImportError:  # pragma: no cover - lightning is a dependency; the wrapper's home may move
+        return ()
+    return (DistributedSamplerWrapper,)
 
 
 class _BatchedTensors(Dataset):

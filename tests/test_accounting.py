@@ -208,3 +208,104 @@ def test_prv_at_sample_rate_one_is_the_gaussian_mechanism():
         warnings.simplefilter("error")  # no fallback to RDP
         ours = accounting.prv_epsilon([(nu, 1.0, steps)], delta)
     assert exact <= ours <= exact + 0.011
+
+
+def _mpmath_gaussian_epsilon(mu, delta):
+    """Independent exact epsilon of mu-GDP at delta: ``delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``
+    (Balle and Wang 2018) at 50 digits, where nothing overflows or cancels, solved by mpmath's bracketing root-finder
+    on ``log delta``. The bracket: delta(0) = erf(mu / (2 sqrt 2)) above, and below, the epsilon where
+    ``Phi(-eps/mu + mu/2) <= exp(-(eps/mu - mu/2)^2 / 2) = delta``."""
+    import mpmath
+
+    with mpmath.workdps(50):
+        mu, delta = mpmath.mpf(mu), mpmath.mpf(delta)
+
+        def f(eps):
+            return mpmath.log(mpmath.ncdf(-eps / mu + mu / 2) - mpmath.exp(eps) * mpmath.ncdf(-eps / mu - mu / 2)) - mpmath.log(delta)
+
+        if f(mpmath.mpf(0)) <= 0:
+            return mpmath.mpf(0)
+        hi = mu**2 / 2 + mu * mpmath.sqrt(2 * mpmath.log(1 / delta))
+        return mpmath.findroot(f, (mpmath.mpf(0), hi), solver="anderson", tol=mpmath.mpf(10) ** -40)
+
+
+def _assert_tight_upper_bound(ours, exact):
+    """``ours`` bounds ``exact`` from above, by at most 1e-9 absolute + 1e-9 relative. gaussian_epsilon solves at a delta
+    1e-9 lower in log space (a margin ~1e5 times the floating-point error of its log delta), which moves epsilon by
+    delta * 1e-9 / (e^eps Phi(b)): at most ~1e-9 absolute where epsilon is small, and ~1e-11 relative where it is large
+    (the largest gaps seen: 4e-9 relative at epsilon 0.006, 2.5e-12 relative at epsilon 5e5). PRV's own error is 0.01."""
+    import mpmath
+
+    assert math.isfinite(ours)
+    with mpmath.workdps(50):
+        assert mpmath.mpf(ours) >= exact, (ours, exact)
+        assert mpmath.mpf(ours) - exact <= 1e-9 + 1e-9 * exact, (ours, exact)
+
+
+def test_full_batch_epsilon_is_exact_and_an_upper_bound_everywhere():
+    """Full-batch histories (sample rate 1: one Gaussian mechanism, mu^2 = sum_t 1/nu_t^2) against mpmath at 50 digits,
+    epsilon from 1e-2 to 2e4: the reported epsilon is the exact one, rounded up. Above epsilon ~709 it used to be
+    ~709.79 (np.expm1 overflowing in the PRV's CDF), far below the true cost."""
+    delta = 1e-5
+    for mu in np.geomspace(2.3e-3, 195.0, 17):  # epsilon ~1e-2 ... ~2e4
+        ours = compute_epsilon([(1.0 / mu, 1.0, 1)], delta)
+        _assert_tight_upper_bound(ours, _mpmath_gaussian_epsilon(mu, delta))
+    # multi-step and heterogeneous full-batch histories compose into one Gaussian (accounting._normalise)
+    for history in ([(0.05, 1.0, 25)], [(0.1, 1.0, 3), (0.02, 1.0, 2), (3.0, 1.0, 40)]):
+        mu = math.sqrt(sum(t / nu**2 for nu, _, t in history))
+        _assert_tight_upper_bound(compute_epsilon(history, delta), _mpmath_gaussian_epsilon(mu, delta))
+
+
+def test_gaussian_epsilon_is_finite_and_exact_for_extreme_mu_and_delta():
+    """mu from 1e-3 to 1e3, delta from 1e-12 to 0.5: finite, and the mpmath value rounded up."""
+    for mu in np.geomspace(1e-3, 1e3, 13):
+        for delta in (1e-12, 1e-8, 1e-5, 1e-2, 0.3, 0.5):
+            _assert_tight_upper_bound(accounting.gaussian_epsilon(float(mu), delta), _mpmath_gaussian_epsilon(mu, delta))
+
+
+def test_budget_stop_at_sample_rate_one_and_huge_epsilon():
+    """Full-batch steps at nu = 0.1 (T steps are 10 sqrt(T)-GDP) against a budget of epsilon 5000: the stop is the last
+    step whose exact epsilon (mpmath) is within the budget. The PRV's epsilon, stuck at ~709.79 from T = 128 on,
+    let it run to step 259, far past the budget."""
+    nu, target, delta = 0.1, 5000.0, 1e-5
+    exact = [_mpmath_gaussian_epsilon(math.sqrt(t) / nu, delta) for t in range(1, 150)]
+    expected = max(t for t, e in enumerate(exact, start=1) if e <= target)
+    assert exact[-1] > target and 50 < expected < 149
+    assert max_steps_within_budget(nu, 1.0, target, delta) == expected
+    acc = PrivacyAccountant(delta)
+    acc.step(nu, 1.0, count=expected)
+    assert acc.epsilon() <= target < acc.epsilon(extra_steps=1)
+
+
+def test_mixed_history_costs_at_least_its_full_batch_part():
+    """A subsampled segment composed with a costly full-batch one (exact epsilon 730 to 5400): composition only
+    adds cost, so the reported epsilon is at least the full-batch part's exact epsilon (mpmath). It used to be
+    ~709.7 for the first two (the PRV truncated every privacy loss above 709.78); the third is now a PRV bound too."""
+    for history in ([(1.0, 0.01, 10), (1 / 34.5, 1.0, 1)], [(2.0, 0.01, 1), (1 / 35.0, 1.0, 1)],
+                    [(2.0, 0.01, 1), (0.01, 1.0, 1)]):
+        mu = math.sqrt(sum(t / nu**2 for nu, rate, t in history if rate == 1.0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = compute_epsilon(history, 1e-5)
+        assert math.isfinite(ours)
+        assert ours >= _mpmath_gaussian_epsilon(mu, 1e-5), history
+        assert ours <= accounting.rdp_epsilon(history, 1e-5)
+
+
+def test_calibration_at_sample_rate_one_is_tight_at_any_epsilon():
+    """Full batch: the multiplier meets the target by the exact epsilon and is the smallest one to 0.1%."""
+    for target in (1.0, 50.0, 3000.0):
+        nu = calibrate_noise_multiplier(target, 1e-5, 1.0, 10)
+        assert compute_epsilon([(nu, 1.0, 10)], 1e-5) <= target < compute_epsilon([(nu * 0.998, 1.0, 10)], 1e-5)
+
+
+def test_prv_bound_is_not_capped_at_709():
+    """The PRV machinery itself (used for mixed histories) at a full-batch mechanism with epsilon in the thousands: its
+    bound is above the exact epsilon and close to it. Its CDF (np.expm1) and Opacus' epsilon search (np.exp on the
+    grid) overflowed above t ~ 709.78 and reported 709.79."""
+    for mu in (40.0, 100.0):
+        exact = _mpmath_gaussian_epsilon(mu, 1e-5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours = accounting.prv_epsilon([(1 / mu, 1.0, 1)], 1e-5)
+        assert exact <= ours <= exact + 0.05

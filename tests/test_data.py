@@ -3,8 +3,18 @@
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
+from conftest import ToyModel, make_trainer, toy_data
+from lightning_oso import OSODP
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 
 
@@ -119,3 +129,106 @@ def test_tensor_datasets_are_fetched_a_batch_at_a_time_with_the_same_batches():
     assert any(len(a[1]) == 0 for a, _ in pairs)  # q = 1/20 over 20 batches: empty ones occur (seeded)
     for a, b in pairs:
         assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
+
+
+class _Indexed(ToyModel):
+    """Batches are (x, y, record index); the indices of every training batch are kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen.append(index.tolist())
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+def _indexed_data(n):
+    x, y = toy_data(n).tensors
+    return TensorDataset(x, y, torch.arange(n))
+
+
+@pytest.mark.parametrize("batch_sampler", [False, True])
+def test_subset_random_sampler_trains_on_its_subset_only(batch_sampler):
+    """A SubsetRandomSampler over 100 of 1000 records: every batch lies in the subset, N = 100, q = b / 100 (the
+    user's sampler used to be dropped: all 1000 records trained, N = 1000), also through a BatchSampler."""
+    data, subset = _indexed_data(1000), list(range(300, 400))
+    sampler = SubsetRandomSampler(subset)
+    loader = (DataLoader(data, batch_sampler=BatchSampler(sampler, 10, drop_last=False)) if batch_sampler
+              else DataLoader(data, batch_size=10, sampler=sampler))
+    dp, model = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, seed=0), _Indexed()
+    trainer = make_trainer([dp], max_epochs=5)
+    trainer.fit(model, loader)
+    seen = [i for batch in model.seen for i in batch]
+    assert len(model.seen) == 50 and len(seen) > 300  # 5 epochs of 10 steps, ~10 records each
+    assert set(seen) <= set(subset)
+    assert len(set(seen)) > 90  # the whole subset is sampled, not a part of it
+    assert dp.sample_rate == pytest.approx(10 / 100)
+    assert trainer.strategy.num_samples == 100
+
+
+def test_subset_is_sharded_by_position_across_processes():
+    data, subset = _indexed_data(1000), list(range(999, 899, -1))
+    loaders = [poisson_loader(DataLoader(data, batch_size=5, sampler=SubsetRandomSampler(subset)), seed=1, rank=r,
+                              world_size=2) for r in range(2)]
+    for r, loader in enumerate(loaders):
+        assert loader.batch_sampler.num_samples == 100 and loader.batch_sampler.sample_rate == pytest.approx(0.1)
+        seen = {i for batch in loader for i in batch[2].tolist()}
+        assert seen and seen <= set(subset[r::2])
+
+
+class _EveryOther(torch.utils.data.Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(0, self.n, 2))
+
+    def __len__(self):
+        return (self.n + 1) // 2
+
+
+@pytest.mark.parametrize("sampler,message", [
+    (WeightedRandomSampler(torch.ones(200), 200), "sampler is a WeightedRandomSampler, which DP training cannot"),
+    (RandomSampler(range(200), replacement=True), "sampler is a RandomSampler, which DP training cannot honour: it "
+                                                  "draws with replacement"),
+    (RandomSampler(range(200), num_samples=50), "RandomSampler, which DP training cannot honour: it draws "
+                                                "num_samples=50"),
+    (_EveryOther(200), "sampler is a _EveryOther, which DP training cannot honour"),
+    (SubsetRandomSampler([3, 4, 3]), "SubsetRandomSampler lists some indices more than once"),
+])
+def test_samplers_that_cannot_be_honoured_are_refused_before_training(sampler, message):
+    model = _Indexed()
+    with pytest.raises(ValueError, match=message) as refused:
+        make_trainer([OSODP(target_epsilon=3.0, target_delta=1e-3)], max_epochs=1).fit(
+            model, DataLoader(_indexed_data(200), batch_size=10, sampler=sampler))
+    assert model.seen == []
+    if "indices more than once" not in message:
+        assert "torch.utils.data.Subset" in str(refused.value) and "SubsetRandomSampler" in str(refused.value)
+
+
+def test_plain_loaders_keep_the_whole_dataset():
+    data = _indexed_data(50)
+    for loader in (DataLoader(data, batch_size=5, shuffle=True), DataLoader(data, batch_size=5),
+                   DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 5, drop_last=True))):
+        dp = poisson_loader(loader, seed=0)
+        assert dp.batch_sampler.num_samples == 50 and dp.batch_sampler.indices is None
+
+
+def test_lightnings_distributed_samplers_under_ddp():
+    """Under DDP Lightning puts a DistributedSampler in place of a plain loader's sampler (the whole dataset, each
+    process a shard: the Poisson sampler shards it itself) and wraps any other sampler in a DistributedSamplerWrapper,
+    which is looked through: the subset is honoured on every process. A shard for another world is refused."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import DistributedSampler
+
+    data, subset = _indexed_data(1000), list(range(100, 200))
+    whole = poisson_loader(DataLoader(data, batch_size=5, sampler=DistributedSampler(data, 2, 1)), 0, 1, 2)
+    assert whole.batch_sampler.num_samples == 1000 and whole.batch_sampler.indices is None
+    wrapped = DistributedSamplerWrapper(SubsetRandomSampler(subset), num_replicas=2, rank=1)
+    loader = poisson_loader(DataLoader(data, batch_size=5, sampler=wrapped), seed=0, rank=1, world_size=2)
+    assert loader.batch_sampler.num_samples == 100 and loader.batch_sampler.sample_rate == pytest.approx(0.1)
+    assert {i for batch in loader for i in batch[2].tolist()} <= set(subset[1::2])
+    with pytest.raises(ValueError, match="process 1's shard of 2, but the training runs 4 process"):
+        poisson_loader(DataLoader(data, batch_size=5, sampler=DistributedSampler(data, 2, 1)), 0, 1, 4)
