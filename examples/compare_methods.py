@@ -247,7 +247,7 @@ def candidates_for(method: str, k: int, gammas) -> list[dict]:
     raise ValueError(method)
 
 
-def make_callback(method: str, candidate: dict, seed: int, dp: dict):
+def make_callback(method: str, candidate: dict, dp: dict):
     if method == "Online":
         return OSODP(initial_clip=0.1, **dp)
     if method == "FixedThreshold":
@@ -273,6 +273,9 @@ class Unit:
     batch_size: int
     delta: float
     data_dir: str | None
+    #: the root of this search's DP randomness: a child of --dp-seed spawned for this search alone, so no two
+    #: searches (methods, budgets) share noise streams
+    dp_seed: np.random.SeedSequence | None = None
 
     @property
     def runs(self) -> int:
@@ -307,12 +310,13 @@ def run_unit(unit: Unit, progress: bool = False) -> dict:
         out.update(winner=candidates[winner], runs=runs, noise_multiplier=0.0, epsilon_spent=None)
     else:
         def train_fn(candidate, seed, dp):
-            callback = make_callback(unit.method, candidate, seed, dp)
+            callback = make_callback(unit.method, candidate, dp)
             return train_once(task, data, unit.batch_size, unit.epochs, lr_of(candidate), seed, callback, optimizer)
 
         try:
             search = HonestGridSearch(candidates, train_fn, unit.epsilon, unit.delta, unit.batch_size / n_train,
-                                      steps_per_run, seeds=unit.seeds, mode=task.mode, progress=progress)
+                                      steps_per_run, seeds=unit.seeds, mode=task.mode, progress=progress,
+                                      seed=unit.dp_seed)
             result = search.run()
         except PrivacyConfigurationError as err:
             out.update(refused=str(err), seconds=time.time() - started)
@@ -450,6 +454,8 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=int, default=64, help="expected batch size B")
     parser.add_argument("--gammas", type=float, nargs="+", help="FixedQuantile's target quantiles (default 0.1 .. 0.9)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS) + ["NoDP"], choices=list(METHODS) + ["NoDP"])
+    parser.add_argument("--dp-seed", type=int, default=0, help="root of every search's DP randomness (each search "
+                        "gets its own spawned child)")
     parser.add_argument("--jobs", type=int, default=1, help="searches run in parallel (one core each)")
     parser.add_argument("--data-dir", default=None, help="local copies of MNIST / Fashion-MNIST / AG News")
     parser.add_argument("--out", default="docs/compare")
@@ -480,6 +486,8 @@ def main(argv: list[str] | None = None) -> dict:
             for eps in ([None] if method == "NoDP" else args.epsilons):
                 units.append(Unit(task, method, eps, args.k, args.gammas, tuple(args.seed_list), args.epochs,
                                   args.batch_size, args.delta, args.data_dir))
+    for unit, child in zip(units, np.random.SeedSequence(args.dp_seed).spawn(len(units))):
+        unit.dp_seed = child
     units.sort(key=lambda u: -u.runs)  # the largest searches first: better packing over the jobs
     total_runs = sum(u.runs for u in units)
     print(f"{len(units)} searches, {total_runs} training runs, {args.jobs} job(s)", flush=True)

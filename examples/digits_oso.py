@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     L.seed_everything(args.seed, verbose=False)
     data = DigitsDataModule(batch_size=args.batch_size)
     model = DigitsCNN(lr=args.lr, momentum=args.momentum)
-    dp = OSODP(target_epsilon=args.epsilon, target_delta=args.delta)
+    dp = OSODP(target_epsilon=args.epsilon, target_delta=args.delta, seed=args.seed)  # the DP streams: seeded too
     logger = TensorBoardLogger(args.log_dir, name="digits_oso")
     trainer = L.Trainer(
         max_epochs=args.epochs,

@@ -32,6 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import lightning.pytorch as L
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -92,12 +93,22 @@ def train_once(eta: float, steps: int, dp: dict, seed: int) -> dict:
     return {"score": _accuracy(model, train_set), "test": _accuracy(model, test_set)}
 
 
+_PROCEDURES = ("linear_scaling", "random_search", "grid_oracle")
+
+
+def _streams(seed: int, budget: float, procedure: str) -> np.random.SeedSequence:
+    """The DP randomness of one procedure at one budget and seed: its own spawn key, so that no two procedures or
+    budgets share noise streams (never arithmetic on the seed)."""
+    return np.random.SeedSequence(seed, spawn_key=(_PROCEDURES.index(procedure), round(budget * 1000)))
+
+
 def linear_scaling(budget: float, args, seed: int):
     def train(hparams, dp):
         return train_once(hparams["eta"], hparams["steps"], dp, seed)
 
     search = LinearScalingSearch(train, budget, args.delta, 1.0, tuple(args.r_range), args.eta_max, args.steps_max,
-                                 sweep_epsilons=(0.1, 0.2), runs_per_sweep=args.runs_per_sweep, seed=seed)
+                                 sweep_epsilons=(0.1, 0.2), runs_per_sweep=args.runs_per_sweep,
+                                 seed=_streams(seed, budget, "linear_scaling"))
     result = search.run()
     return result
 
@@ -112,8 +123,9 @@ def random_search(budget: float, args, seed: int) -> dict:
     noise = calibrate_noise_multiplier(budget, args.delta, [1.0] * runs, [steps for _, steps in plans])
     results = []
     ledger = PrivacyAccountant(args.delta)
-    for eta, steps in plans:
-        dp = {"target_epsilon": budget, "target_delta": args.delta, "noise_multiplier": noise, "accountant": ledger}
+    for run, (eta, steps) in zip(_streams(seed, budget, "random_search").spawn(len(plans)), plans):
+        dp = {"target_epsilon": budget, "target_delta": args.delta, "noise_multiplier": noise, "accountant": ledger,
+              "seed": run}
         results.append({"r": eta * steps, **train_once(eta, steps, dp, seed)})
     best = max(results, key=lambda r: r["score"])
     return {"test": best["test"], "r": best["r"], "epsilon": ledger.epsilon(), "noise_multiplier": noise}
@@ -122,10 +134,10 @@ def random_search(budget: float, args, seed: int) -> dict:
 def grid_oracle(budget: float, args, seed: int) -> dict:
     grid = [math.exp(v) for v in torch.linspace(math.log(args.r_range[0]), math.log(args.r_range[1]), 12).tolist()]
     results, history = [], []
-    for r in grid:
+    for r, run in zip(grid, _streams(seed, budget, "grid_oracle").spawn(len(grid))):
         eta, steps = decompose(r, args.eta_max, args.steps_max)
         noise = calibrate_noise_multiplier(budget, args.delta, 1.0, steps)  # each run alone at the full budget
-        dp = {"target_epsilon": budget, "target_delta": args.delta, "noise_multiplier": noise}
+        dp = {"target_epsilon": budget, "target_delta": args.delta, "noise_multiplier": noise, "seed": run}
         results.append({"r": eta * steps, **train_once(eta, steps, dp, seed)})
         history.append((noise, 1.0, steps))
     best = max(results, key=lambda r: r["test"])  # the oracle looks at the test set
