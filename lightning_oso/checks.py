@@ -62,10 +62,10 @@ _TIED = (
     "hooks see only the layer's own use: call the layer instead, or give the other use its own layer."
 )
 _BATCH_DIM = (
-    "the per-sample gradients are not per record: a synthetic batch of {n} records gave {got} per-sample gradients "
-    "(the layers' inputs have {got} rows along dim 0). The batch must be along dim 0 of every trainable layer's "
-    "input: transpose time-major inputs ([T, n, ...]) in training_step, use batch_first=True for recurrent layers, "
-    "and do not merge the batch dimension with others (e.g. reshape [n, k, d] -> [n*k, d]) before a trainable layer."
+    "the batch must be along dim 0: transpose time-major inputs in training_step ([T, n, ...] -> [n, T, ...]; "
+    "batch_first=True for recurrent layers), and do not merge the batch dimension with others (e.g. a reshape "
+    "[n, k, d] -> [n*k, d]) before a trainable layer. On a synthetic batch of {n} records, {what}: the per-sample "
+    "gradients are not per record, so clipping them bounds no record's influence."
 )
 _REDUCTION = (
     "training_step returns the {actual} of the per-sample losses but loss_reduction={declared!r} was declared (or "
@@ -210,10 +210,11 @@ def check_consistency(
     switched off, dropout modules in eval mode, torch's, Python's and NumPy's random states forked, and every
     parameter's ``.grad``, every buffer and the hooks' state left as they were.
 
-    Raises:
-        PrivacyConfigurationError: the model and the per-sample path are inconsistent; the message says how to fix it.
     If the synthetic batch cannot be run (training_step raises, returns no loss, or gives non-finite values), one
     warning says that the checks were skipped and why; nothing is refused.
+
+    Raises:
+        PrivacyConfigurationError: the model and the per-sample path are inconsistent; the message says how to fix it.
     """
     try:
         full, reduced = _batches(example, size, collate)
@@ -224,13 +225,13 @@ def check_consistency(
     rtol = _tolerance(strategy, params)
     with _isolated(strategy, module):
         try:
-            first = _run(strategy, module, params, full)
+            first = _run(strategy, module, params, full, size)
             if first.n != size:
-                raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, got=first.n))
+                raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, what=_rows(first.n)))
             _check_additivity(module, params, first, strategy.loss_reduction)
-            second = _run(strategy, module, params, reduced)
+            second = _run(strategy, module, params, reduced, size - 1)
             if second.n != size - 1:
-                raise PrivacyConfigurationError(_BATCH_DIM.format(n=size - 1, got=second.n))
+                raise PrivacyConfigurationError(_BATCH_DIM.format(n=size - 1, what=_rows(second.n)))
             change = _relative_change(first.norms[1:], second.norms, first.norms)
             if change <= rtol:
                 return
@@ -239,7 +240,7 @@ def check_consistency(
                 if actual != declared and _relative_change(first.norms[1:] * factor, second.norms, first.norms) <= rtol:
                     raise PrivacyConfigurationError(_REDUCTION.format(actual=actual, declared=declared))
             # before blaming a layer: is training_step random beyond the dropout modules (e.g. F.dropout, noise)?
-            again = _run(strategy, module, params, full, seed=SEED + 1)
+            again = _run(strategy, module, params, full, size, seed=SEED + 1)
             if _relative_change(first.norms, again.norms, first.norms) > rtol:
                 _skip("training_step gives different per-sample gradients on the same batch from run to run "
                       "(randomness other than dropout modules), so the leave-one-out check cannot tell whether a "
@@ -257,7 +258,10 @@ class _Pass:
         self.norms, self.sums, self.grads, self.n = norms, sums, grads, n
 
 
-def _run(strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any, seed: int = SEED) -> _Pass:
+def _run(
+    strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any, size: int, seed: int = SEED
+) -> _Pass:
+    """training_step, backward and the per-sample path on ``batch`` (of ``size`` records), from a clean state."""
     from lightning_oso.strategy import _BookKeepingSource, _GradSampleSource  # strategy imports this module
 
     hooks = strategy._hooks
@@ -286,10 +290,15 @@ def _run(strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any,
         loss.backward()
     except Exception as err:  # noqa: BLE001
         raise _CannotRun(f"backward raised {type(err).__name__}: {err}") from err
-    source = _BookKeepingSource(hooks, list(params)) if isinstance(hooks, BookKeeping) else _GradSampleSource(list(params))
+    params = list(params)
+    source = _BookKeepingSource(hooks, params) if isinstance(hooks, BookKeeping) else _GradSampleSource(params)
     if source.empty:
         raise _CannotRun("no per-sample gradients: the loss does not depend on the trainable parameters")
-    norms = source.norms().detach()
+    try:
+        norms = source.norms().detach()
+    except RuntimeError as err:  # per-layer norms of different lengths cannot be added up
+        what = f"the trainable layers' inputs have different numbers of rows along dim 0 ({err})"
+        raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, what=what)) from err
     ones = torch.ones(source.batch_size, 1, dtype=norms.dtype, device=norms.device)
     sums = [s[0] for s in source.weighted_sums(ones)]
     grads = [p.grad for p in params]
@@ -297,6 +306,10 @@ def _run(strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any,
     if not bool(torch.isfinite(norms).all()) or not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
         raise _CannotRun("the per-sample gradients are not finite (NaN or inf)")
     return _Pass(norms.float(), sums, grads, source.batch_size)
+
+
+def _rows(got: int) -> str:
+    return f"the layers' inputs have {got} rows along dim 0, giving {got} per-sample gradients"
 
 
 def _check_additivity(module: Any, params: Sequence[nn.Parameter], run: _Pass, loss_reduction: str) -> None:
