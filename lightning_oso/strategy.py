@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor
 
-from lightning_oso import private_step
+from lightning_oso import checks, private_step
 from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
 from lightning_oso.randomness import NOISE, RunRandomness
@@ -63,8 +63,8 @@ class PrivateTraining:
         self._batch_size: int | None = None
         #: opt-in, non-private statistics of the last step (spec section 0); empty unless collect_diagnostics
         self.collect_diagnostics = False
-        self._verify_next_step = False
         self._noise_stream: tuple | None = None  # (step, generator) of the step being privatised
+        self._training_data: tuple[Any, Any] | None = None  # (dataset, collate_fn): the structure for the checks
         self.diagnostics: dict[str, Tensor] = {}
 
     @property
@@ -119,6 +119,7 @@ class PrivateTraining:
             raise TypeError(
                 f"the training data must come from a torch DataLoader to be Poisson-sampled; got {type(dataloader).__name__}"
             )
+        self._training_data = (dataloader.dataset, dataloader.collate_fn)
         loader = poisson_loader(dataloader, seed=self.randomness, rank=self.global_rank, world_size=self.world_size,
                                 first_step=self.executed_steps)
         self.num_samples = loader.batch_sampler.num_samples
@@ -131,7 +132,6 @@ class PrivateTraining:
         """Attach the per-sample hooks to the user's module (its class and forward stay as they are)."""
         if self._hooks is not None:
             return
-        self._verify_next_step = True  # the first non-empty step checks the per-sample gradients (see _verify)
         if self.grad_sample_mode == "book_keeping":
             self._hooks = BookKeeping(self.lightning_module, loss_reduction=self.loss_reduction)
             return
@@ -153,14 +153,21 @@ class PrivateTraining:
         self.detach_hooks()
         super().teardown()
 
+    def on_train_start(self) -> None:
+        """Once per fit, before the first private step: the consistency checks of the model against the per-sample
+        path (``checks``), on a synthetic batch shaped like the first training record, never on a private one."""
+        super().on_train_start()
+        if self.rule is not None and self._hooks is not None and self._training_data is not None:
+            params = [p for group in self.optimizers[0].param_groups for p in group["params"] if p.requires_grad]
+            checks.check_before_training(self, params, *self._training_data)
+
     # ------------------------------------------------------------------ the private step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._batch_size = _leading_dim(batch)
         if isinstance(self._hooks, BookKeeping):
             self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
-            if not self._verify_next_step:  # the checked step keeps autograd's gradients to compare with
-                self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
+            self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(
@@ -209,10 +216,6 @@ class PrivateTraining:
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
-        problem = None  # the first step's check; its refusal is decided below, together with the other processes
-        if self._verify_next_step and not per_sample.empty:
-            problem = self._verify(params, per_sample)
-            self._verify_next_step = False
         norms = per_sample.norms()
         weights = self.rule.weights(norms)
         if self.collect_diagnostics:
@@ -226,15 +229,14 @@ class PrivateTraining:
         # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
         # released, not even noised over. The count travels with the sums, so every process refuses the same step.
         nonfinite = (~torch.isfinite(norms)).sum()
-        refused_check = torch.full((), problem is not None, dtype=norms.dtype, device=norms.device)
-        status = torch.stack([nonfinite.to(norms.dtype), refused_check])
+        status = nonfinite.to(norms.dtype).reshape(1)
         noisy = self.add_noise(sums, self.rule.noise_stds())
         noisy_scalars = self.add_noise(scalar_sums, self.rule.scalar_noise_stds()) if scalar_sums else []
         totals = self.sum_across_processes([*noisy, *noisy_scalars, status])
         # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while
         # the host waits)
         if bool(status.any()):
-            self._refuse_step(problem, int(nonfinite), norms.shape[0])
+            self._refuse_step(int(nonfinite), norms.shape[0])
         # the write-ahead record: charged (and on disk) before anything of the step can leave the process
         if self.ledger is not None:
             self.ledger.record_step()
@@ -259,48 +261,15 @@ class PrivateTraining:
             self._noise_stream = (self.executed_steps, generator)
         return self._noise_stream[1]
 
-    def _refuse_step(self, problem: tuple[type, str] | None, nonfinite: int, size: int) -> None:
-        if problem is not None:
-            raise problem[0](problem[1])
+    def _refuse_step(self, nonfinite: int, size: int) -> None:
         step = self.lightning_module.trainer.global_step
         if nonfinite:
             raise FloatingPointError(_NON_FINITE.format(count=nonfinite, size=size, step=step))
         raise FloatingPointError(
-            f"training step {step} was refused by another process (non-finite per-sample gradients, or its first-step "
-            "check failed; its error says which): no process applied it"
+            f"training step {step} was refused by another process (non-finite per-sample gradients; its error says "
+            "more): no process applied it"
         )
 
-    def _verify(
-        self, params: list[Tensor], per_sample: "_GradSampleSource | _BookKeepingSource"
-    ) -> tuple[type, str] | None:
-        """Once, on the first step: the per-sample gradients must add up to autograd's gradient of the loss.
-
-        They do not when a parameter is also used outside the forward of the layer that owns it (a tied weight read
-        directly: the hooks see only the layer's own use, so that part of the gradient would be silently lost).
-        Costs one extra sum and one host read, once. (A loss that is a sum where ``loss_reduction="mean"`` is
-        declared scales both sides alike and goes unnoticed here.) Returns the error to raise, or ``None``: the
-        step is refused on every process together (``privatise``).
-        """
-        n = per_sample.batch_size
-        ones = torch.ones(n, 1, dtype=params[0].dtype, device=params[0].device)
-        sums = per_sample.weighted_sums(ones)
-        scale = float(n) if self.loss_reduction == "mean" else 1.0
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        for p, s in zip(params, sums):
-            expected = p.grad * scale if p.grad is not None else torch.zeros_like(p)
-            if not bool(torch.isfinite(expected).all()):
-                return FloatingPointError, (
-                    f"the gradient of parameter {names.get(id(p), tuple(p.shape))!r} is not finite (NaN or inf) in the "
-                    "first step: the step was not taken. Check the loss and the data for NaN/inf values."
-                )
-            if not torch.allclose(s[0].to(expected.dtype), expected, rtol=1e-3, atol=1e-5 * (1 + float(expected.abs().max()))):
-                return RuntimeError, (
-                    f"the per-sample gradients of parameter {names.get(id(p), tuple(p.shape))!r} do not add up to its "
-                    "gradient: it is also used outside the forward of the layer that owns it (a tied weight read "
-                    "directly, e.g. `x @ layer.weight`), and the per-sample hooks see only the layer's own use: "
-                    "call the layer instead, or give the other use its own layer."
-                )
-        return None
 
 
 class DPStrategy(PrivateTraining, SingleDeviceStrategy):

@@ -15,7 +15,8 @@ def toy_data(n=200, dim=10, seed=0):
 
 
 class ToyModel(L.LightningModule):
-    """A small MLP that records the size of every training batch it sees."""
+    """A small MLP that records the size of every training batch the loop gives it (in ``on_train_batch_start``:
+    ``training_step`` also runs once per fit on the DP strategy's synthetic check batches, see ``checks``)."""
 
     def __init__(self, lr=0.5, momentum=0.0, hidden=16, optimizer="sgd", net=None):
         super().__init__()
@@ -26,9 +27,11 @@ class ToyModel(L.LightningModule):
     def forward(self, x):
         return self.net(x)
 
+    def on_train_batch_start(self, batch, batch_idx):
+        self.batch_sizes.append(batch[0].shape[0])
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        self.batch_sizes.append(x.shape[0])
         return F.cross_entropy(self(x), y)
 
     def configure_optimizers(self):

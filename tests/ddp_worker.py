@@ -10,6 +10,8 @@ Scenarios:
     resume    as ``train`` with deterministic_resume, 4 epochs at a fixed noise multiplier; with CKPT=part, one
               epoch and its checkpoint (an interrupted run); with CKPT=load, resume that checkpoint to 4 epochs.
     nan       an inf input on rank 1 in step 2 only: every process must refuse the step (none hangs).
+    sum       training_step returns a sum where a mean is declared: every process refuses it before the first step
+              (the consistency checks run on the same synthetic batch everywhere).
 """
 
 import sys
@@ -31,14 +33,19 @@ N, PER_PROCESS_BATCH = 200, 10  # global expected batch 20, q = 0.1
 
 
 class Indexed(ToyModel):
-    """Batches are (x, y, record index); the indices seen are kept."""
+    """Batches are (x, y, record index); the indices the training loop gave are kept."""
 
     seen: list
 
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        self.seen = getattr(self, "seen", [])
+        self.seen.append(batch[2].tolist())
+
     def training_step(self, batch, batch_idx):
         x, y, index = batch
-        self.seen = getattr(self, "seen", [])
-        self.seen.append(index.tolist())
+        if SCENARIO == "sum":
+            return F.cross_entropy(self(x), y, reduction="sum")
         if self.trainer.strategy.global_rank == 1 and self.trainer.global_step == 2 and SCENARIO == "nan":
             x = x.clone()
             x[:1] = float("inf")
@@ -67,7 +74,7 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
         model = Indexed(momentum=0.5)
         dp = OSODP(target_epsilon=1.0, target_delta=1e-3, noise_multiplier=1.5, seed=3)
         plan = dict(max_epochs=50)
-    elif scenario == "nan":
+    elif scenario in ("nan", "sum"):
         model = Indexed()
         dp = OSODP(target_epsilon=3.0, target_delta=1e-3, noise_multiplier=1.0, seed=3)
         plan = dict(max_epochs=1)

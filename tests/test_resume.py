@@ -164,9 +164,9 @@ def test_mid_epoch_resume_charges_every_executed_step_and_draws_anew(tmp_path):
     (and could have been logged), so they are charged although the checkpoint does not hold them, and the resumed
     epoch draws fresh batches (Lightning re-iterates a non-resumable loader from the epoch's start)."""
     class Recording(ToyModel):
-        def training_step(self, batch, batch_idx):
+        def on_train_batch_start(self, batch, batch_idx):  # real batches only (the checks' synthetic one is not)
             self.batches = getattr(self, "batches", []) + [sorted(batch[0].sum(1).tolist())]
-            return super().training_step(batch, batch_idx)
+            return super().on_train_batch_start(batch, batch_idx)
 
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}")
     first = Recording()

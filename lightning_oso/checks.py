@@ -1,0 +1,441 @@
+"""Consistency checks of the model against the per-sample path, run once per fit on synthetic data.
+
+The private step bounds each record's influence by clipping the per-sample gradients that the hooks compute. That
+bound holds only if the hooks' "samples" are the records and their gradients add up to the model's gradient. Four
+ways to break it go unnoticed by the layer-by-layer validation (``validation.validate_model``):
+
+- a weight also read outside the layer that owns it (``x @ layer.weight``): the hooks see only the layer's own
+  use, so that part of the gradient is silently lost (*additivity*: the per-sample gradients must add up to
+  autograd's gradient);
+- a batch that is not along dim 0 (time-major inputs ``[T, n, d]`` fed to a ``nn.Linear``): the "per-sample"
+  gradients are per time step, each mixing all records;
+- a ``training_step`` that returns a sum of the per-sample losses where ``loss_reduction="mean"`` was declared (or
+  a mean where ``"sum"`` was): every per-sample gradient is scaled by the batch size (or its inverse);
+- a layer that mixes records (a custom module subtracting the batch mean, ...).
+
+The last three are caught by *leave-one-out*: without record 0, the per-sample norms of the other records must not
+change. Each record's own gradient depends on that record alone in a model the private step can make private, and
+the norms are computed with the batch size as the only other input; a batch not along dim 0 changes the number of
+norms, a mismatched reduction scales them all by ``n/(n-1)`` (or its inverse), and a mixing layer moves them.
+
+Why synthetic data: these checks used to run on the first private batch, with a float tolerance, so a crafted
+record could make them fail (e.g. huge values whose gradients nearly cancel), and the refusal revealed that the
+record was in the batch. Here they run on :func:`synthetic_batch`, whose values come from a fixed generator: only
+the shapes and dtypes of the first training record are read, so a refusal reveals the structure of the data and the
+model, never anything about a record's values or presence. Every process of a DDP run checks the same synthetic
+batch on the same parameters, so they all refuse or pass together, without communicating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
+from torch.nn.modules.dropout import _DropoutNd
+
+from lightning_oso.book_keeping import BookKeeping
+from lightning_oso.validation import PrivacyConfigurationError
+
+#: Records in the synthetic batch (the leave-one-out batch has one fewer). Small: the checks cost three forward and
+#: backward passes on it once per fit; large enough that the reduction's factor ``n/(n-1) = 4/3`` is far from 1.
+SIZE = 4
+#: Seed of the synthetic values: fixed and data-independent, so every process checks the same batch.
+SEED = 0
+
+#: Leave-one-out tolerance in float32, relative to the largest per-sample norm. The two passes compute each remaining
+#: record's gradient from the same values; only the batch size of the matrix products differs, which can change
+#: their blocking and summation order: a few float32 roundings (1.2e-7 relative each), ~1e-6 after a deep model. The
+#: failures move the norms by 1/3 (a mismatched reduction at n = 4) or by O(1/n) (a record-mixing layer): 1e-4
+#: leaves two orders of magnitude on either side. Scaled up for half precision (see ``_tolerance``).
+RTOL = 1e-4
+
+_TIED = (
+    "the per-sample gradients of parameter {name!r} do not add up to its gradient: it is also used outside the "
+    "forward of the layer that owns it (a tied weight read directly, e.g. `x @ layer.weight`), and the per-sample "
+    "hooks see only the layer's own use: call the layer instead, or give the other use its own layer."
+)
+_BATCH_DIM = (
+    "the batch must be along dim 0: transpose time-major inputs in training_step ([T, n, ...] -> [n, T, ...]; "
+    "batch_first=True for recurrent layers), and do not merge the batch dimension with others (e.g. a reshape "
+    "[n, k, d] -> [n*k, d]) before a trainable layer. On a synthetic batch of {n} records, {what}: the per-sample "
+    "gradients are not per record, so clipping them bounds no record's influence."
+)
+_REDUCTION = (
+    "training_step returns the {actual} of the per-sample losses but loss_reduction={declared!r} was declared (or "
+    "vice versa): the per-sample gradients, and so the sensitivity, are scaled by the batch size. Pass "
+    "loss_reduction={actual!r} to the DP callback, or return the {declared} (e.g. F.cross_entropy(..., "
+    "reduction={declared!r}))."
+)
+_MIXING = (
+    "a layer mixes records: removing one record of a synthetic batch changed the per-sample gradient norms of the "
+    "others (relative change up to {change:.3g}), so one record's gradient depends on the other records and "
+    "per-sample clipping bounds nothing. Remove the operation across the batch dimension (batch statistics, "
+    "x - x.mean(0), attention or pooling over dim 0, ...), or compute it per record."
+)
+
+
+class _CannotRun(Exception):
+    """The synthetic batch could not be run through training_step: the checks are skipped, with a warning."""
+
+
+# ----------------------------------------------------------------------------------------------------- the data
+def synthetic_batch(
+    example: Any, size: int, generator: torch.Generator | None = None, collate: Callable | None = None
+) -> Any:
+    """A batch of ``size`` synthetic records with the structure of ``example``.
+
+    Only the structure, shapes and dtypes of ``example`` are used, never its values: floating tensors are filled with
+    N(0, 1) draws from ``generator`` (a fixed, data-independent one by default), integer tensors with 1 (a valid
+    class, token id and attention-mask value), bool tensors with True; Python and NumPy scalars and arrays likewise.
+    Tuples, lists, named tuples and mappings keep their type, nested or not.
+
+    Args:
+        example: a batch (every tensor's dim 0 indexes the records; the others keep their size), e.g. the first
+            record of the training dataset as the DataLoader's collate function batches it; or, with ``collate``,
+            one record as the dataset returns it.
+        size: the number of records.
+        generator: the source of the floating values; default ``torch.Generator().manual_seed(SEED)``.
+        collate: if given, ``example`` is one record and the batch is ``collate`` of ``size`` synthetic records,
+            laid out as the DataLoader would lay out real ones (time-major, padded, ... as its collate function does).
+
+    Raises:
+        ValueError: for a leaf that has no synthetic stand-in (a string, an arbitrary object).
+    """
+    generator = generator if generator is not None else torch.Generator().manual_seed(SEED)
+    if collate is not None:
+        return collate([_synthetic(example, generator, None) for _ in range(size)])
+    return _synthetic(example, generator, size)
+
+
+def _synthetic(x: Any, generator: torch.Generator, size: int | None) -> Any:
+    if isinstance(x, Tensor):
+        shape = (size, *x.shape[1:]) if size is not None and x.dim() else tuple(x.shape)
+        return _fill(shape, x.dtype, generator).to(x.device)
+    if isinstance(x, (bool, int, float)) or _is_numpy(x):
+        return _synthetic_scalar_or_array(x, generator, size)
+    if x is None:
+        return None
+    if isinstance(x, Mapping):
+        items = {key: _synthetic(value, generator, size) for key, value in x.items()}
+        try:
+            return type(x)(items)
+        except TypeError:
+            return items
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+        return type(x)(*(_synthetic(value, generator, size) for value in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_synthetic(value, generator, size) for value in x)
+    raise ValueError(f"the training records hold a {type(x).__name__}, which has no synthetic stand-in")
+
+
+def _fill(shape: Sequence[int], dtype: torch.dtype, generator: torch.Generator) -> Tensor:
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool)
+    if dtype.is_floating_point or dtype.is_complex:
+        draw_dtype = torch.complex64 if dtype.is_complex else torch.float32
+        return torch.randn(shape, generator=generator, dtype=draw_dtype).to(dtype)
+    return torch.ones(shape, dtype=dtype)
+
+
+def _is_numpy(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _synthetic_scalar_or_array(x: Any, generator: torch.Generator, size: int | None) -> Any:
+    if isinstance(x, bool):
+        return True
+    if isinstance(x, int):
+        return 1
+    if isinstance(x, float):
+        return float(torch.randn((), generator=generator, dtype=torch.float64))
+    import numpy as np
+
+    shape = (size, *x.shape[1:]) if size is not None and x.ndim else tuple(x.shape)
+    if x.dtype.kind in "fc":
+        value = torch.randn(shape, generator=generator, dtype=torch.float64).numpy().astype(x.dtype)
+    elif x.dtype.kind in "biu":
+        value = np.ones(shape, dtype=x.dtype)
+    else:
+        raise ValueError(f"the training records hold a NumPy array of dtype {x.dtype}, which has no synthetic stand-in")
+    return value if isinstance(x, np.ndarray) else value[()]  # a NumPy scalar stays one
+
+
+def _drop_first(batch: Any) -> Any:
+    """``batch`` without record 0: every tensor (and array) with a dim 0 loses its first row."""
+    if isinstance(batch, Tensor) or _is_numpy(batch):
+        return batch[1:] if batch.ndim else batch
+    if isinstance(batch, Mapping):
+        items = {key: _drop_first(value) for key, value in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_drop_first(value) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_drop_first(value) for value in batch)
+    return batch
+
+
+def _batches(example: Any, size: int, collate: Callable | None) -> tuple[Any, Any]:
+    """The synthetic batch and the same batch without its record 0."""
+    generator = torch.Generator().manual_seed(SEED)
+    if collate is None:
+        full = synthetic_batch(example, size, generator)
+        return full, _drop_first(full)
+    records = [_synthetic(example, generator, None) for _ in range(size)]
+    return collate(records), collate(records[1:])
+
+
+# ----------------------------------------------------------------------------------------------------- the checks
+def check_consistency(
+    strategy: Any,
+    params: Sequence[nn.Parameter],
+    example: Any,
+    collate: Callable | None = None,
+    size: int = SIZE,
+) -> None:
+    """Run the consistency checks (additivity, then leave-one-out) of the run's per-sample path on a synthetic batch
+    with the structure of ``example`` (see :func:`synthetic_batch` for ``example`` and ``collate``).
+
+    ``strategy`` is the run's :class:`~lightning_oso.strategy.PrivateTraining` with its per-sample hooks attached;
+    ``params`` are the optimised parameters. The user's ``training_step`` runs on the synthetic batch with logging
+    switched off, dropout modules in eval mode, torch's, Python's and NumPy's random states forked, and every
+    parameter's ``.grad``, every buffer and the hooks' state left as they were.
+
+    If the synthetic batch cannot be run (training_step raises, returns no loss, or gives non-finite values), one
+    warning says that the checks were skipped and why; nothing is refused.
+
+    Raises:
+        PrivacyConfigurationError: the model and the per-sample path are inconsistent; the message says how to fix it.
+    """
+    try:
+        full, reduced = _batches(example, size, collate)
+    except Exception as err:  # noqa: BLE001 - any failure to build synthetic data only skips the checks
+        _skip(f"no synthetic batch could be built from the first training record ({type(err).__name__}: {err})")
+        return
+    module = strategy.lightning_module
+    rtol = _tolerance(strategy, params)
+    with _isolated(strategy, module):
+        try:
+            first = _run(strategy, module, params, full, size)
+            if first.n != size:
+                raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, what=_rows(first.n)))
+            _check_additivity(module, params, first, strategy.loss_reduction)
+            second = _run(strategy, module, params, reduced, size - 1)
+            if second.n != size - 1:
+                raise PrivacyConfigurationError(_BATCH_DIM.format(n=size - 1, what=_rows(second.n)))
+            change = _relative_change(first.norms[1:], second.norms, first.norms)
+            if change <= rtol:
+                return
+            declared = strategy.loss_reduction
+            for actual, factor in (("sum", (size - 1) / size), ("mean", size / (size - 1))):
+                if actual != declared and _relative_change(first.norms[1:] * factor, second.norms, first.norms) <= rtol:
+                    raise PrivacyConfigurationError(_REDUCTION.format(actual=actual, declared=declared))
+            # before blaming a layer: is training_step random beyond the dropout modules (e.g. F.dropout, noise)?
+            again = _run(strategy, module, params, full, size, seed=SEED + 1)
+            if _relative_change(first.norms, again.norms, first.norms) > rtol:
+                _skip("training_step gives different per-sample gradients on the same batch from run to run "
+                      "(randomness other than dropout modules), so the leave-one-out check cannot tell whether a "
+                      "layer mixes records; the additivity check passed")
+                return
+            raise PrivacyConfigurationError(_MIXING.format(change=change))
+        except _CannotRun as err:
+            _skip(str(err))
+
+
+class _Pass:
+    """One forward and backward pass on a batch: per-sample norms, their sums, autograd's gradients."""
+
+    def __init__(self, norms: Tensor, sums: list[Tensor], grads: list[Tensor | None], n: int) -> None:
+        self.norms, self.sums, self.grads, self.n = norms, sums, grads, n
+
+
+def _run(
+    strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any, size: int, seed: int = SEED
+) -> _Pass:
+    """training_step, backward and the per-sample path on ``batch`` (of ``size`` records), from a clean state."""
+    from lightning_oso.strategy import _BookKeepingSource, _GradSampleSource  # strategy imports this module
+
+    hooks = strategy._hooks
+    for p in module.parameters():
+        p.grad = None
+    _reset_hooks(hooks, module)
+    # inside the fork: a training_step drawing random numbers draws the same ones in each pass
+    torch.default_generator.manual_seed(seed)
+    device = strategy.root_device
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    try:
+        batch = strategy.batch_to_device(batch)
+        args = (batch, 0) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else (batch,)
+        with strategy.precision_plugin.train_step_context(), torch.enable_grad():
+            output = module.training_step(*args)
+    except Exception as err:  # noqa: BLE001 - the user's code failing on synthetic data skips the checks
+        raise _CannotRun(f"training_step raised {type(err).__name__}: {err}") from err
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise _CannotRun("training_step returned no loss to backpropagate")
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise _CannotRun("the loss is not finite (NaN or inf)")
+    try:
+        loss.backward()
+    except Exception as err:  # noqa: BLE001
+        raise _CannotRun(f"backward raised {type(err).__name__}: {err}") from err
+    params = list(params)
+    source = _BookKeepingSource(hooks, params) if isinstance(hooks, BookKeeping) else _GradSampleSource(params)
+    if source.empty:
+        raise _CannotRun("no per-sample gradients: the loss does not depend on the trainable parameters")
+    try:
+        norms = source.norms().detach()
+    except RuntimeError as err:  # per-layer norms of different lengths cannot be added up
+        what = f"the trainable layers' inputs have different numbers of rows along dim 0 ({err})"
+        raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, what=what)) from err
+    ones = torch.ones(source.batch_size, 1, dtype=norms.dtype, device=norms.device)
+    sums = [s[0] for s in source.weighted_sums(ones)]
+    grads = [p.grad for p in params]
+    source.release()
+    if not bool(torch.isfinite(norms).all()) or not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+        raise _CannotRun("the per-sample gradients are not finite (NaN or inf)")
+    return _Pass(norms.float(), sums, grads, source.batch_size)
+
+
+def _rows(got: int) -> str:
+    return f"the layers' inputs have {got} rows along dim 0, giving {got} per-sample gradients"
+
+
+def _check_additivity(module: Any, params: Sequence[nn.Parameter], run: _Pass, loss_reduction: str) -> None:
+    """The per-sample gradients add up to autograd's gradient (times n for a mean loss), parameter by parameter."""
+    scale = float(run.n) if loss_reduction == "mean" else 1.0
+    names = {id(p): name for name, p in module.named_parameters()}
+    for p, s, grad in zip(params, run.sums, run.grads):
+        expected = grad * scale if grad is not None else torch.zeros_like(p)
+        atol = 1e-5 * (1 + float(expected.abs().max())) if expected.numel() else 0.0
+        if not torch.allclose(s.to(expected.dtype), expected, rtol=1e-3, atol=atol):
+            raise PrivacyConfigurationError(_TIED.format(name=names.get(id(p), tuple(p.shape))))
+
+
+def _relative_change(a: Tensor, b: Tensor, reference: Tensor) -> float:
+    """``max |a - b|`` relative to the largest norm of ``reference`` (0 for equal, ``inf`` for different shapes)."""
+    if a.shape != b.shape:
+        return math.inf
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def _tolerance(strategy: Any, params: Sequence[nn.Parameter]) -> float:
+    """``RTOL``, or a few roundings of the lowest precision the step computes in (half-precision parameters or a
+    16-bit autocast) where that is coarser."""
+    eps = [torch.finfo(p.dtype).eps for p in params if p.is_floating_point()]
+    precision = str(getattr(strategy.precision_plugin, "precision", ""))
+    if "bf16" in precision:
+        eps.append(torch.finfo(torch.bfloat16).eps)
+    elif "16" in precision:
+        eps.append(torch.finfo(torch.float16).eps)
+    return max([RTOL, *(8 * e for e in eps)])
+
+
+def _skip(reason: str) -> None:
+    rank_zero_warn(
+        f"the consistency checks of the model against the per-sample gradients (additivity, leave-one-out) were "
+        f"skipped: {reason}. They run on a synthetic batch with the shapes of the first training record; training "
+        "goes on, but a tied weight read outside its layer, a batch not along dim 0, a loss reduction other than "
+        "the declared one, or a layer mixing records would go undetected."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- isolation
+@contextlib.contextmanager
+def _isolated(strategy: Any, module: nn.Module) -> Iterator[None]:
+    """Leave no trace: logging off, dropout modules in eval mode, random states forked, and ``.grad``, buffers and
+    the per-sample hooks' state as they were."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    dropouts = [m for m in module.modules() if isinstance(m, _DropoutNd) and m.training]
+    own = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
+    device = strategy.root_device
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    python_state = random.getstate()
+    numpy_state = _numpy_state()
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            module.log = module.log_dict = lambda *args, **kwargs: None  # Lightning forbids logging outside the loop
+            for m in dropouts:
+                m.eval()  # the same masks for every record in both passes: no mask differs between them
+            yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in own:
+                setattr(module, name, own[name])
+            else:
+                module.__dict__.pop(name, None)
+        for m in dropouts:
+            m.train()
+        _reset_hooks(strategy._hooks, module)
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        random.setstate(python_state)
+        if numpy_state is not None:
+            import numpy as np
+
+            np.random.set_state(numpy_state)
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        return None
+    return np.random.get_state()
+
+
+def _reset_hooks(hooks: Any, module: nn.Module) -> None:
+    """Forget what the per-sample hooks captured (also after a forward that raised half-way)."""
+    if isinstance(hooks, BookKeeping):
+        hooks.clear()
+        return
+    for m in module.modules():
+        if hasattr(m, "activations"):
+            m.activations = []
+    for p in module.parameters():
+        p.grad_sample = None
+        if hasattr(p, "_current_grad_sample"):
+            del p._current_grad_sample
+        if hasattr(p, "_forward_counter"):
+            p._forward_counter = 0
+
+
+def check_before_training(
+    strategy: Any, params: Sequence[nn.Parameter], dataset: Any, collate: Callable | None
+) -> None:
+    """:func:`check_consistency` on synthetic records shaped like ``dataset[0]`` and batched by ``collate`` (the
+    training DataLoader's ``dataset`` and ``collate_fn``). The record is read with every random state forked (a
+    dataset whose transforms draw random numbers draws the same ones in the run as without the checks), and only
+    its structure, shapes and dtypes are used."""
+    python_state, numpy_state = random.getstate(), _numpy_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            example = dataset[0]
+    except Exception as err:  # noqa: BLE001
+        _skip(f"the first training record could not be read ({type(err).__name__}: {err})")
+        return
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            import numpy as np
+
+            np.random.set_state(numpy_state)
+    check_consistency(strategy, params, example, collate)
