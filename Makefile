@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test install clean
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# constraints pin the tested versions; torch==2.13.0+cpu comes from the machine's local wheel
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,examples]"
