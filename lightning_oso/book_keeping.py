@@ -30,21 +30,70 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_oso import norm_bounds as nb
+
 Sums = dict[nn.Parameter, Tensor]
 
 
 # ----------------------------------------------------------------------------------------------------- per layer
-class _Instantiated:
-    """Per-sample gradients held explicitly, ``{param: [n, *param.shape]}``."""
+_U64 = nb.unit_roundoff(torch.float64)
 
-    def __init__(self, grads: dict[nn.Parameter, Tensor]) -> None:
+
+class _Instantiated:
+    """Per-sample gradients held explicitly, ``{param: [n, *param.shape]}``: the released sums are made of them.
+
+    The norm bound of each parameter's part is that of the held tensor (a sum of squares: ``nb.sq_norm_upper``),
+    plus ``slack[param]`` (float64 ``[n]``) where the held tensor is itself a rounded sum over positions that may
+    cancel (the exact per-sample gradient is within ``slack`` of it), capped by ``cap[param]`` (a cancellation-free
+    bound, which holds for the held tensor too). ``bounds[param]`` replaces all of it where the layer computed its
+    own bound (float64 ``[n]``, of the norm)."""
+
+    def __init__(
+        self,
+        grads: dict[nn.Parameter, Tensor],
+        slack: dict[nn.Parameter, Tensor] | None = None,
+        cap: dict[nn.Parameter, Tensor] | None = None,
+        bounds: dict[nn.Parameter, Tensor] | None = None,
+    ) -> None:
         self.grads = grads
+        self.slack, self.cap, self.bounds = slack or {}, cap or {}, bounds or {}
+        self.dtype = next(iter(grads.values())).dtype if grads else torch.float32
 
     def sq_norms(self) -> Tensor:
-        return sum(g.flatten(start_dim=1).pow(2).sum(dim=1) for g in self.grads.values())
+        parts = []
+        for p, g in self.grads.items():
+            if p in self.bounds:
+                bound = self.bounds[p]
+            else:
+                bound = nb.sq_norm_upper(g).sqrt() * nb.F64
+                if p in self.slack:
+                    bound = bound + self.slack[p]
+                if p in self.cap:
+                    bound = torch.minimum(bound, self.cap[p])  # NaN propagates
+            parts.append(bound.square() * nb.F64)
+        return _sum_parts(parts)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         return {p: torch.einsum("nk,n...->k...", weights.to(g.dtype), g) for p, g in self.grads.items()}
+
+
+def _sum_parts(parts: list[Tensor]) -> Tensor:
+    """Sum of float64 upper bounds, rounded up (``gamma_k`` of float64 over ``k`` terms)."""
+    return torch.stack(parts).sum(dim=0) * (1.0 + nb.gamma(len(parts), _U64)) * nb.F64
+
+
+def _sum_over_positions_bound(position_norms: Tensor, summed: Tensor, t: int, u: float, tau: float) -> Tensor:
+    """Bound (float64 ``[n]``) of the norms of both ``beta = sum_t b_t`` (exact) and ``summed`` = fl(``beta``) (a
+    rounded sum over ``t`` positions: ``|fl - exact| <= gamma_t sum_t |b_t| + t tiny`` entrywise), given upper bounds
+    ``position_norms`` (``[n, t]``, float64) of ``||b_t||``. A bias gradient, which can cancel across positions."""
+    d = math.prod(summed.shape[1:])
+    g_t = nb.gamma(t, u)
+    absolute = t * math.sqrt(d) * tau
+    total = position_norms.sum(dim=1) * (1.0 + nb.gamma(t, _U64)) * nb.F64  # >= sum_t ||b_t||
+    if t == 1:
+        return total
+    computed = nb.sq_norm_upper(summed).sqrt() * nb.F64
+    return torch.minimum(total * (1.0 + g_t) + absolute, computed + g_t * total + absolute)
 
 
 class _OuterProduct:
@@ -55,28 +104,85 @@ class _OuterProduct:
         self.weight = weight if weight is not None and weight.requires_grad else None
         self.bias = bias if bias is not None and bias.requires_grad else None
         self.a, self.b = a.to(b.dtype), b
+        self.dtype = b.dtype
         n, t, d_in = a.shape
         d_out = b.shape[2]
         self.ghost = t * (d_in + d_out) <= d_in * d_out  # ghost norm is cheaper than instantiation
         self.per_sample_weight = None
-        if self.weight is not None and not self.ghost:
+        if self.weight is not None and not self.ghost and t > 1:
             self.per_sample_weight = torch.bmm(self.b.transpose(1, 2), self.a)  # [n, d_out, d_in]
         self.per_sample_bias = self.b.sum(dim=1) if self.bias is not None else None
 
     def sq_norms(self) -> Tensor:
-        total = torch.zeros(self.b.shape[0], dtype=self.b.dtype, device=self.b.device)
+        """Upper bounds (float64) of ``||G_i||^2 + ||bias_i||^2``, exact arithmetic, for each sample.
+
+        On each sample's tensors scaled by powers of two (``nb.Scaled``; entries at most ``M = 4``), with ``u`` the
+        unit roundoff, ``tau`` the underflow term, and upper bounds ``||a_t||``, ``||b_t||`` of every position's norms
+        (``nb.row_norms_upper``), ``R = sum_t ||a_t|| ||b_t||`` bounds ``||G_i||`` (triangle inequality) and
+
+        - ghost norm (``T > 1``): the computed ``S^ = sum_{t,s} fl(fl(a_t.a_s) fl(b_t.b_s))`` (Gram matrices by one
+          matrix product each, their product and the sum over ``s`` in the compute dtype, the sum over ``t`` in
+          float64) is within ``eps R^2 + eta`` of the exact ``||G_i||^2``, with ``eps = (1 + alpha_in)(1 + alpha_out)
+          (1 + u)(1 + gamma_T)(1 + gamma64_T) - 1``, ``alpha`` the dot products' error (``nb.kernel_error``, TF32 or
+          bfloat16 input rounding included where allowed) and ``eta = 2 T^2 (3 d_in d_out M^2 + 2) tau`` the
+          underflow of every product. The bound is ``min(R^2, max(S^, 0) + eps R^2 + eta)``, plus the scaling's
+          underflow (``3 M T sqrt(d_in d_out) tau`` on the norm). A record whose positions cancel gets at least
+          ``eps R^2``: it is clipped as if its norm were ``sqrt(eps) R``, never as if it were the rounding residue.
+        - one position: ``||G_i|| = ||a|| ||b||`` exactly, so ``R``.
+        - instantiated (``G^`` held, a rounded sum over ``T`` positions, ``|G^ - G| <= alpha_T R + eta`` entrywise in
+          norm): ``min((1 + alpha_T) R, ||G^|| + alpha_T R) + eta``, which bounds both the exact ``G_i`` and the held
+          ``G^`` (the one the sums are made of).
+        - bias ``sum_t b_t``, a sum over positions: ``_sum_over_positions_bound``.
+        """
+        n, t, d_in = self.a.shape
+        d_out = self.b.shape[2]
+        dtype, device = self.b.dtype, self.b.device
+        u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
+        u_mm = nb.input_roundoff(device, "matmul")
+        sb = nb.Scaled(self.b)
+        finite = sb.finite
+        parts = []
         if self.weight is not None:
-            if self.per_sample_weight is not None:
-                total = total + self.per_sample_weight.flatten(start_dim=1).pow(2).sum(dim=1)
-            elif self.a.shape[1] == 1:  # one position: ||b a^T||^2 = ||a||^2 ||b||^2
-                total = total + self.a.pow(2).sum(dim=(1, 2)) * self.b.pow(2).sum(dim=(1, 2))
+            sa = nb.Scaled(self.a)
+            finite = finite & sa.finite
+            ghost_sum = None
+            if self.per_sample_weight is None and t > 1:
+                gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
+                gram.mul_(torch.bmm(sb.value, sb.value.transpose(1, 2)))
+                ghost_sum = gram.sum(dim=2).double().sum(dim=1)
+                del gram
+            norms_a = nb.row_norms_upper(sa.value)  # [n, T] (consumes sa.value)
+            norms_b = nb.row_norms_upper(sb.value)
+            r = (norms_a * norms_b).sum(dim=1) * (1.0 + nb.gamma(t, _U64)) * nb.F64  # R, scaled units
+            scale = sa.factor * sb.factor
+            if t == 1:
+                # G^ = fl(b a^T) (bmm with one term) or the exact product (ghost): one rounding
+                bound = nb.times(r * (1.0 + nb.kernel_error(1, u, u_mm)) * nb.F64, scale)
+                bound = bound + math.sqrt(d_in * d_out) * tau * (m * (sa.factor + sb.factor) + 2)
+            elif ghost_sum is not None:
+                eps = ((1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u)
+                       * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, _U64)) - 1)
+                eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
+                r2 = r.square() * nb.F64
+                sq = torch.minimum(r2, ghost_sum.clamp_min(0) + eps * r2 + eta) if math.isfinite(eps) else r2
+                bound = sq.sqrt() * nb.F64 + 3 * m * t * math.sqrt(d_in * d_out) * tau
+                bound = nb.times(bound, scale)
             else:
-                gram_a = torch.bmm(self.a, self.a.transpose(1, 2))
-                gram_b = torch.bmm(self.b, self.b.transpose(1, 2))
-                total = total + (gram_a * gram_b).sum(dim=(1, 2))
-        if self.per_sample_bias is not None:
-            total = total + self.per_sample_bias.pow(2).sum(dim=1)
-        return total
+                alpha = nb.kernel_error(t, u, u_mm)
+                r = nb.times(r, scale)
+                eta = math.sqrt(d_in * d_out) * t * tau * (m * (sa.factor + sb.factor) + 2)
+                held = nb.sq_norm_upper(self.per_sample_weight).sqrt() * nb.F64
+                bound = torch.minimum((1 + alpha) * r, held + alpha * r) * nb.F64 + eta
+            parts.append(bound.square() * nb.F64)
+            if self.bias is not None:
+                parts.append(self._bias_bound(norms_b, sb, u, tau).square() * nb.F64)
+        elif self.bias is not None:
+            parts.append(self._bias_bound(nb.row_norms_upper(sb.value), sb, u, tau).square() * nb.F64)
+        return nb.with_nan(_sum_parts(parts), finite)
+
+    def _bias_bound(self, norms_b: Tensor, sb: nb.Scaled, u: float, tau: float) -> Tensor:
+        return _sum_over_positions_bound(nb.times(norms_b, sb.factor[:, None]), self.per_sample_bias,
+                                         self.b.shape[1], u, tau)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         weights = weights.to(self.b.dtype)
@@ -106,10 +212,37 @@ class _Embedding:
         if layer.padding_idx is not None:  # the padding row gets no gradient
             b = b * (idx != layer.padding_idx).unsqueeze(-1).to(b.dtype)
         self.b = b
+        self.dtype = b.dtype
 
     def sq_norms(self) -> Tensor:
-        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.b.dtype)
-        return (torch.bmm(self.b, self.b.transpose(1, 2)) * same).sum(dim=(1, 2))
+        """Upper bounds (float64) of ``||G_i||^2``: the ghost norm of ``_OuterProduct.sq_norms`` with ``a_t`` one-hot
+        (``a_t . a_s = [idx_t = idx_s]`` exactly, no rounding), and the cancellation-free bound
+        ``R^2 = sum_{t,s} [idx_t = idx_s] ||b_t|| ||b_s|| = sum_rows (sum_{t in row} ||b_t||)^2`` in place of
+        ``(sum_t ||b_t||)^2`` (tighter where tokens differ)."""
+        n, t, d = self.b.shape
+        dtype, device = self.b.dtype, self.b.device
+        u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+        u_mm = nb.input_roundoff(device, "matmul")
+        sb = nb.Scaled(self.b)
+        if t == 1:
+            bound = nb.row_norms_upper(sb.value)[:, 0]
+            return nb.with_nan(nb.times(bound.square() * nb.F64, sb.factor.square()), sb.finite)
+        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(dtype)  # exact 0/1
+        gram = torch.bmm(sb.value, sb.value.transpose(1, 2)).mul_(same)
+        ghost_sum = gram.sum(dim=2).double().sum(dim=1)
+        del gram
+        norms = nb.row_norms_upper(sb.value)  # [n, T] float64, >= ||b_t|| (scaled)
+        # R^2 = sum_t ||b_t|| (sum_s same_ts ||b_s||): the inner sums by a matrix product of non-negative terms,
+        # relative error alpha_T, on norms rounded up to the compute dtype
+        alpha_t = nb.kernel_error(t, u, u_mm)
+        inner = torch.bmm(same, nb.round_up(norms, dtype).unsqueeze(2)).squeeze(2).double()
+        inner = (inner + t * tau) / (1.0 - alpha_t) if alpha_t < 1 else torch.full_like(inner, math.inf)
+        r2 = (norms * inner).sum(dim=1) * (1.0 + nb.gamma(t, _U64)) * nb.F64
+        eps = (1 + nb.kernel_error(d, u, u_mm)) * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, _U64)) - 1
+        eta = 2 * t * t * (d + 2) * tau
+        sq = torch.minimum(r2, ghost_sum.clamp_min(0) + eps * r2 + eta) if math.isfinite(eps) else r2
+        bound = sq.sqrt() * nb.F64 + t * math.sqrt(d) * tau  # + the scaling's underflow
+        return nb.with_nan(nb.times(bound.square() * nb.F64, sb.factor.square()), sb.finite)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         weights = weights.to(self.b.dtype)
@@ -160,18 +293,56 @@ def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Ten
             a_parts.append(patches.transpose(1, 2))
             b_parts.append(g.reshape(g.shape[0], d_out, math.prod(g.shape[2:])).transpose(1, 2))  # [n, L, C_out]
         return _OuterProduct(layer.weight, layer.bias, _cat(a_parts), _cat(b_parts))
+    # instantiated: the per-sample weight gradients by one grouped convolution. Each entry is a sum over the L
+    # output positions that may cancel, so the bound adds alpha_L R (R = sum_t ||patch_t|| ||b_t||, alpha_L the
+    # kernel's dot-product error; this assumes a direct or GEMM-based kernel, whose entries are sums of products, as
+    # oneDNN's and cuDNN's usual ones are: FFT/Winograd algorithms would be outside this model)
     grads: dict[nn.Parameter, Tensor] = {}
+    dtype, device = gs[0].dtype, gs[0].device
+    u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
+    n = gs[0].shape[0]
+    r = torch.zeros(n, dtype=torch.float64, device=device)
+    eta = torch.zeros(n, dtype=torch.float64, device=device)
+    finite = torch.ones(n, dtype=torch.bool, device=device)
+    bias_positions = []
+    k = math.prod(kernel)
     for x, g in zip(xs, gs):
-        n = g.shape[0]
+        x = x.to(g.dtype)
         per_sample = torch.nn.grad.conv2d_weight(
-            x.to(g.dtype).reshape(1, n * x.shape[1], *x.shape[2:]),
+            x.reshape(1, n * x.shape[1], *x.shape[2:]),
             (n * d_out, layer.in_channels, *kernel),
             g.reshape(1, n * d_out, *g.shape[2:]),
             stride=stride, padding=padding, dilation=dilation, groups=n,
         )
         _accumulate(grads, layer.weight, per_sample.reshape(n, *layer.weight.shape))
         _accumulate(grads, layer.bias, g.sum(dim=(2, 3)))
-    return _Instantiated(grads)
+        positions = math.prod(g.shape[2:])
+        sx, sg = nb.Scaled(x), nb.Scaled(g)
+        finite = finite & sx.finite & sg.finite
+        # ||patch_t||^2: the squared input summed over channels (C terms), then over each window (k terms), both
+        # sums of non-negative terms; unfolding one channel is cheap
+        channels = x.shape[1]
+        pixels = sx.value.square_().sum(dim=1, keepdim=True)
+        windows = F.unfold(pixels, kernel, dilation=dilation, padding=padding, stride=stride).sum(dim=1).double()
+        norms_x = ((windows + 3 * channels * k * tau) / ((1 - nb.gamma(channels, u)) * (1 - nb.gamma(k, u)))).sqrt()
+        norms_x = norms_x * nb.F64 + math.sqrt(channels * k) * tau
+        norms_g = nb.row_norms_upper(sg.value.reshape(n, d_out, positions), dim=1)  # [n, L]
+        call_r = (norms_x * norms_g).sum(dim=1) * (1.0 + nb.gamma(positions, _U64)) * nb.F64
+        r = r + nb.times(call_r, sx.factor * sg.factor)
+        eta = eta + math.sqrt(d_in * d_out) * positions * tau * (m * (sx.factor + sg.factor) + 2)
+        if layer.bias is not None and layer.bias.requires_grad:
+            bias_positions.append(nb.times(norms_g, sg.factor[:, None]))
+    depth = sum(math.prod(g.shape[2:]) for g in gs) + len(gs)  # positions, and the sum over calls
+    bounds: dict[nn.Parameter, Tensor] = {}
+    if layer.weight in grads:
+        alpha = nb.kernel_error(depth, u, nb.input_roundoff(device, "conv"))
+        held = nb.sq_norm_upper(grads[layer.weight]).sqrt() * nb.F64
+        bound = torch.minimum((1 + alpha) * r, held + alpha * r) * nb.F64 + eta
+        bounds[layer.weight] = nb.with_nan(bound, finite)
+    if bias_positions:
+        bound = _sum_over_positions_bound(torch.cat(bias_positions, dim=1), grads[layer.bias], depth, u, tau)
+        bounds[layer.bias] = nb.with_nan(bound, finite)
+    return _Instantiated(grads, bounds=bounds)
 
 
 def _embedding(layer: nn.Embedding, inputs: list[tuple], backprops: list[Tensor]) -> _Embedding:
@@ -181,23 +352,55 @@ def _embedding(layer: nn.Embedding, inputs: list[tuple], backprops: list[Tensor]
 
 
 def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> _Instantiated:
-    grads: dict[nn.Parameter, Tensor] = {}
+    """``x_hat`` and the per-sample gradients in float64: ``x_hat`` so that its rounding (which grows with
+    ``|mean| / std`` of a row, and a record can make large) stays far below the bounds' margins, the sums over
+    positions so that a record cancelling across positions cannot hide its norm (``_normalisation``)."""
+    parts = []
+    size = math.prod(layer.normalized_shape)
     for x, g in zip(inputs, backprops):
-        x_hat = F.layer_norm(x[0].to(g.dtype), layer.normalized_shape, eps=layer.eps)
-        reduce = tuple(range(1, g.dim() - len(layer.normalized_shape)))  # positions, not the normalised dims
-        _accumulate(grads, layer.weight, (x_hat * g).sum(dim=reduce) if reduce else x_hat * g)
-        _accumulate(grads, layer.bias, g.sum(dim=reduce) if reduce else g)
-    return _Instantiated(grads)
+        g64 = g.double()
+        x_hat = F.layer_norm(x[0].double(), layer.normalized_shape, eps=layer.eps)
+        n = g.shape[0]
+        positions = math.prod(g.shape[1 : g.dim() - len(layer.normalized_shape)])
+        parts.append((x_hat.reshape(n, positions, size), g64.reshape(n, positions, size)))
+    return _normalisation(layer, parts, tuple(layer.normalized_shape), backprops[0].dtype)
 
 
 def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> _Instantiated:
-    grads: dict[nn.Parameter, Tensor] = {}
+    parts = []
     for x, g in zip(inputs, backprops):
-        x_hat = F.group_norm(x[0].to(g.dtype), layer.num_groups, eps=layer.eps)
-        spatial = tuple(range(2, g.dim()))
-        _accumulate(grads, layer.weight, (x_hat * g).sum(dim=spatial) if spatial else x_hat * g)
-        _accumulate(grads, layer.bias, g.sum(dim=spatial) if spatial else g)
-    return _Instantiated(grads)
+        x_hat = F.group_norm(x[0].double(), layer.num_groups, eps=layer.eps)
+        n, channels = g.shape[:2]
+        positions = math.prod(g.shape[2:])
+        parts.append((x_hat.reshape(n, channels, positions).transpose(1, 2),
+                      g.double().reshape(n, channels, positions).transpose(1, 2)))
+    return _normalisation(layer, parts, (layer.num_channels,), backprops[0].dtype)
+
+
+def _normalisation(layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, dtype: torch.dtype) -> _Instantiated:
+    """LayerNorm/GroupNorm from float64 ``(x_hat, b)`` pairs ``[n, positions, D]`` of each call: the weight's
+    per-sample gradient is ``sum_t x_hat_t * b_t``, the bias's ``sum_t b_t``. Computed in float64 (``G64``, a sum over
+    ``T`` positions within ``gamma64_T sum_t ||term_t||`` of the exact one) and held in the compute dtype (``G``, within
+    ``u ||G64||`` and ``sqrt(D) tiny``), so the bound ``(||G64|| + gamma64_T sum_t ||term_t||) (1 + u) + sqrt(D) tiny``
+    covers both the exact gradient and the one the sums are made of."""
+    u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+    grads64: dict[nn.Parameter, Tensor] = {}
+    spread: dict[nn.Parameter, Tensor] = {}
+    depth = sum(x_hat.shape[1] for x_hat, _ in parts) + len(parts)
+    for x_hat, b in parts:
+        for param, term in ((layer.weight, x_hat * b), (layer.bias, b)):
+            if param is None or not param.requires_grad:
+                continue
+            _accumulate(grads64, param, term.sum(dim=1).reshape(term.shape[0], *shape))
+            _accumulate(spread, param, term.square().sum(dim=2).sqrt().sum(dim=1))  # sum_t ||term_t||
+    grads, bounds = {}, {}
+    for param, g64 in grads64.items():
+        held = nb.sq_norm_upper(g64).sqrt() * nb.F64
+        # 2 x: the float64 rounding of spread itself, far below a factor 2
+        bound = (held + 2 * nb.gamma(depth, _U64) * spread[param]) * (1 + u) * nb.F64 + math.sqrt(math.prod(g64.shape[1:])) * tau
+        grads[param] = g64.to(dtype)
+        bounds[param] = bound
+    return _Instantiated(grads, bounds=bounds)
 
 
 def _opacus_fallback(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> _Instantiated:
@@ -419,7 +622,12 @@ class BookKeeping:
         computed = self._compute()
         if not computed:
             raise RuntimeError("no layer received a gradient in the last backward pass")
-        return torch.stack([c.sq_norms() for c in computed.values()]).sum(dim=0).sqrt() * self._loss_scale
+        parts = list(computed.values())
+        # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
+        # root and scaling are rounded up, and so is the result, to the compute dtype
+        total = _sum_parts([c.sq_norms() for c in parts]).sqrt() * (1.0 + 2 * _U64) * self._loss_scale * nb.F64
+        dtype = functools.reduce(torch.promote_types, [c.dtype for c in parts], torch.float32)
+        return nb.round_up(total, dtype)
 
     def weighted_sums(self, params: Iterable[nn.Parameter], weights: Tensor) -> list[Tensor]:
         """``sum_i weights[i, k] g_i`` per parameter in ``params``, shape ``[k, *param.shape]`` (zeros for a
