@@ -16,8 +16,38 @@ Where ``T (d_in + d_out) > d_in d_out`` (long sequences, few channels) a layer i
 per-sample gradients (``[n, C]``), always instantiated. Any other layer with trainable parameters falls back to
 Opacus' per-sample gradient function for its type (or functorch), instantiated.
 
-The outputs are those of the per-sample path (``private_step.per_sample_norms`` and ``weighted_sums`` over Opacus'
-``grad_sample``) up to float rounding; the tests check this layer by layer and end to end.
+The weighted sums are those of the per-sample path (``private_step.weighted_sums`` over Opacus' ``grad_sample``) up to
+float rounding; the tests check this layer by layer and end to end.
+
+The norms are **upper bounds** of the true ones, never below them, rounding included, so that the clipping weight
+``min(1, C / N_i)`` bounds every record's contribution by ``C`` (and OSO's ``1 / N_i`` its direction by 1) whatever
+the record. The float32 ghost norm alone is not one: its ``T^2`` terms can cancel, and a record whose positions nearly
+cancel (``x`` and ``-(1 - d) x``) gets a computed value far below its true norm, or a negative one; huge finite
+values overflow the Gram products. Each layer part therefore returns a float64 bound of its squared norm
+(``norm_bounds`` has the rounding model: any summation order, TF32/bfloat16 matmul inputs where torch's settings
+allow them, underflow and flush-to-zero):
+
+- every sample's ``a`` and ``b`` are first scaled by powers of two (exact) so that their largest entry is near 1, and
+  the scale is put back in float64: no overflow, and a finite record gets a finite bound (an infinite norm only
+  where the norm itself exceeds the compute dtype's range; NaN/inf in ``a`` or ``b`` still gives NaN);
+- ``R_i = sum_t ||a_it|| ||b_it||`` bounds ``||G_i||`` without cancellation (triangle inequality), from per-position
+  norms, ``O(T (d_in + d_out))``;
+- ghost norm: ``min(R_i^2, S^_i + eps R_i^2 + eta)``, with ``S^_i`` the computed Gram sum, ``eps = (1 + alpha_in)
+  (1 + alpha_out)(1 + u)(1 + gamma_T)(1 + gamma64_T) - 1`` its rounding error relative to ``R_i^2`` (``alpha_k`` that
+  of a length-``k`` dot product, ``gamma_k = k u / (1 - k u)``, ``u = 2^-24`` in float32; the sum over ``s`` is in
+  float32, over ``t`` in float64) and ``eta`` the underflow. A cancelling record is thus clipped as if its norm were at
+  least ``sqrt(eps) R_i``; an ordinary one's bound exceeds its computed norm by about ``eps R_i^2 / ||G_i||^2``
+  relative (``~1e-5``, up to ``1e-4`` on the benchmark models);
+- instantiated ``G^_i`` (a rounded sum over ``T`` positions, held for the sums): ``min((1 + alpha_T) R_i, ||G^_i|| +
+  alpha_T R_i)``, which bounds both the exact ``G_i`` and the ``G^_i`` the sums are made of; likewise a bias's
+  ``sum_t b_it`` with ``gamma_T`` (one position: no cancellation, only relative margins);
+- Embedding: the ghost bound with ``a_it . a_is = [idx_it = idx_is]`` exact and ``R_i^2 = sum_{t,s} [idx_it = idx_is]
+  ||b_it|| ||b_is||``;
+- LayerNorm/GroupNorm: ``x_hat`` and the sums over positions in float64 (``x_hat``'s rounding grows with a row's
+  ``|mean| / std``, which a record controls), held in float32 with their ``(1 + u)`` margin;
+- other layers (Opacus' functions): the sum of squares of the held per-sample gradients, with its relative margin.
+
+The parts' sum, its root and the loss scale are rounded up, and so is the final conversion to the compute dtype.
 """
 
 from __future__ import annotations
@@ -42,35 +72,22 @@ _U64 = nb.unit_roundoff(torch.float64)
 class _Instantiated:
     """Per-sample gradients held explicitly, ``{param: [n, *param.shape]}``: the released sums are made of them.
 
-    The norm bound of each parameter's part is that of the held tensor (a sum of squares: ``nb.sq_norm_upper``),
-    plus ``slack[param]`` (float64 ``[n]``) where the held tensor is itself a rounded sum over positions that may
-    cancel (the exact per-sample gradient is within ``slack`` of it), capped by ``cap[param]`` (a cancellation-free
-    bound, which holds for the held tensor too). ``bounds[param]`` replaces all of it where the layer computed its
-    own bound (float64 ``[n]``, of the norm)."""
+    A parameter's norm bound is that of the held tensor (a sum of squares: ``nb.sq_norm_upper``), or ``bounds[param]``
+    (float64 ``[n]``, of the norm) where the layer computed a bound of its own: where the held tensor is a rounded sum
+    over positions that can cancel, whose bound must also cover the exact gradient."""
 
-    def __init__(
-        self,
-        grads: dict[nn.Parameter, Tensor],
-        slack: dict[nn.Parameter, Tensor] | None = None,
-        cap: dict[nn.Parameter, Tensor] | None = None,
-        bounds: dict[nn.Parameter, Tensor] | None = None,
-    ) -> None:
+    def __init__(self, grads: dict[nn.Parameter, Tensor], bounds: dict[nn.Parameter, Tensor] | None = None) -> None:
         self.grads = grads
-        self.slack, self.cap, self.bounds = slack or {}, cap or {}, bounds or {}
+        self.bounds = bounds or {}
         self.dtype = next(iter(grads.values())).dtype if grads else torch.float32
 
     def sq_norms(self) -> Tensor:
         parts = []
         for p, g in self.grads.items():
             if p in self.bounds:
-                bound = self.bounds[p]
+                parts.append(self.bounds[p].square() * nb.F64)
             else:
-                bound = nb.sq_norm_upper(g).sqrt() * nb.F64
-                if p in self.slack:
-                    bound = bound + self.slack[p]
-                if p in self.cap:
-                    bound = torch.minimum(bound, self.cap[p])  # NaN propagates
-            parts.append(bound.square() * nb.F64)
+                parts.append(nb.sq_norm_upper(g))
         return _sum_parts(parts)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
