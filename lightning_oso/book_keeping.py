@@ -27,24 +27,26 @@ values overflow the Gram products. Each layer part therefore returns a float64 b
 (``norm_bounds`` has the rounding model: any summation order, TF32/bfloat16 matmul inputs where torch's settings
 allow them, underflow and flush-to-zero):
 
-- every sample's ``a`` and ``b`` are first scaled by powers of two (exact) so that their largest entry is near 1, and
-  the scale is put back in float64: no overflow, and a finite record gets a finite bound (an infinite norm only
-  where the norm itself exceeds the compute dtype's range; NaN/inf in ``a`` or ``b`` still gives NaN);
-- ``R_i = sum_t ||a_it|| ||b_it||`` bounds ``||G_i||`` without cancellation (triangle inequality), from per-position
-  norms, ``O(T (d_in + d_out))``;
+- no overflow: a ghost norm's ``a`` and ``b`` are scaled per sample by powers of two (exact) so that their largest
+  entry is near 1 before the Gram products, the scale put back in float64; sums of squares of float32 values are
+  taken in float64 (exact squares) or likewise scaled. A finite record gets a finite bound (an infinite norm only
+  where the norm itself exceeds the compute dtype's range), a NaN/inf in ``a`` or ``b`` still a NaN;
+- ``R_i = sum_t ||a_it|| ||b_it||`` bounds ``||G_i||`` without cancellation (triangle inequality);
 - ghost norm: ``min(R_i^2, S^_i + eps R_i^2 + eta)``, with ``S^_i`` the computed Gram sum, ``eps = (1 + alpha_in)
   (1 + alpha_out)(1 + u)(1 + gamma_T)(1 + gamma64_T) - 1`` its rounding error relative to ``R_i^2`` (``alpha_k`` that
   of a length-``k`` dot product, ``gamma_k = k u / (1 - k u)``, ``u = 2^-24`` in float32; the sum over ``s`` is in
-  float32, over ``t`` in float64) and ``eta`` the underflow. A cancelling record is thus clipped as if its norm were at
-  least ``sqrt(eps) R_i``; an ordinary one's bound exceeds its computed norm by about ``eps R_i^2 / ||G_i||^2``
-  relative (``~1e-5``, up to ``1e-4`` on the benchmark models);
-- instantiated ``G^_i`` (a rounded sum over ``T`` positions, held for the sums): ``min((1 + alpha_T) R_i, ||G^_i|| +
-  alpha_T R_i)``, which bounds both the exact ``G_i`` and the ``G^_i`` the sums are made of; likewise a bias's
-  ``sum_t b_it`` with ``gamma_T`` (one position: no cancellation, only relative margins);
+  float32, over ``t`` in float64; ``R_i`` from the Gram diagonals) and ``eta`` the underflow. A cancelling record is
+  thus clipped as if its norm were at least ``sqrt(eps) R_i``; an ordinary one's bound exceeds its computed norm by
+  about ``eps R_i^2 / (2 ||G_i||^2)`` relative (at most ``1e-4`` on the benchmark models);
+- instantiated ``G^_i`` (a rounded sum over ``T`` positions, held for the sums; the grouped convolution's too):
+  ``min((1 + alpha_T) R_i, ||G^_i|| + alpha_T R_i)``, which bounds both the exact ``G_i`` and the ``G^_i`` the sums
+  are made of (``R_i`` by Cauchy-Schwarz, ``<= ||a_i|| ||b_i||``, ``sqrt(k)`` times that for a convolution with
+  ``k`` kernel taps); likewise a bias's ``sum_t b_it`` with ``gamma_T``; one position: no cancellation, only
+  relative margins;
 - Embedding: the ghost bound with ``a_it . a_is = [idx_it = idx_is]`` exact and ``R_i^2 = sum_{t,s} [idx_it = idx_is]
   ||b_it|| ||b_is||``;
-- LayerNorm/GroupNorm: ``x_hat`` and the sums over positions in float64 (``x_hat``'s rounding grows with a row's
-  ``|mean| / std``, which a record controls), held in float32 with their ``(1 + u)`` margin;
+- LayerNorm/GroupNorm, with ``x_hat`` as the layer computes it (the values its forward used): the sums over
+  positions by blocks of 32 in float32, then in float64 (``err ~ 32 u``), plus ``err || sum_t |x_hat_t b_t| ||``;
 - other layers (Opacus' functions): the sum of squares of the held per-sample gradients, with its relative margin.
 
 The parts' sum, its root and the loss scale are rounded up, and so is the final conversion to the compute dtype.
@@ -96,21 +98,19 @@ class _Instantiated:
 
 def _sum_parts(parts: list[Tensor]) -> Tensor:
     """Sum of float64 upper bounds, rounded up (``gamma_k`` of float64 over ``k`` terms)."""
-    return torch.stack(parts).sum(dim=0) * (1.0 + nb.gamma(len(parts), _U64)) * nb.F64
+    return torch.stack(parts).sum(dim=0).mul_((1.0 + nb.gamma(len(parts), _U64)) * nb.F64)
 
 
-def _sum_over_positions_bound(position_norms: Tensor, summed: Tensor, t: int, u: float, tau: float) -> Tensor:
+def _sum_over_positions_bound(positions: Tensor, summed: Tensor, t: int, u: float, tau: float) -> Tensor:
     """Bound (float64 ``[n]``) of the norms of both ``beta = sum_t b_t`` (exact) and ``summed`` = fl(``beta``) (a
-    rounded sum over ``t`` positions: ``|fl - exact| <= gamma_t sum_t |b_t| + t tiny`` entrywise), given upper bounds
-    ``position_norms`` (``[n, t]``, float64) of ``||b_t||``. A bias gradient, which can cancel across positions."""
-    d = math.prod(summed.shape[1:])
-    g_t = nb.gamma(t, u)
-    absolute = t * math.sqrt(d) * tau
-    total = position_norms.sum(dim=1) * (1.0 + nb.gamma(t, _U64)) * nb.F64  # >= sum_t ||b_t||
+    rounded sum over ``t`` positions: ``|fl - exact| <= gamma_t sum_t |b_t| + t tiny`` entrywise), given
+    ``positions`` (float64 ``[n]``) ``>= sum_t ||b_t||``. A bias gradient, which can cancel across positions."""
     if t == 1:
-        return total
-    computed = nb.sq_norm_upper(summed).sqrt() * nb.F64
-    return torch.minimum(total * (1.0 + g_t) + absolute, computed + g_t * total + absolute)
+        return positions
+    g_t = nb.gamma(t, u)
+    absolute = t * math.sqrt(math.prod(summed.shape[1:])) * tau
+    computed = nb.sq_norm_upper(summed).sqrt_().mul_(nb.F64)
+    return torch.minimum(positions * (1.0 + g_t), computed.add_(positions, alpha=g_t)).add_(absolute)
 
 
 class _OuterProduct:
@@ -133,22 +133,25 @@ class _OuterProduct:
     def sq_norms(self) -> Tensor:
         """Upper bounds (float64) of ``||G_i||^2 + ||bias_i||^2``, exact arithmetic, for each sample.
 
-        On each sample's tensors scaled by powers of two (``nb.Scaled``; entries at most ``M = 4``), with ``u`` the
-        unit roundoff, ``tau`` the underflow term, and upper bounds ``||a_t||``, ``||b_t||`` of every position's norms
-        (``nb.row_norms_upper``), ``R = sum_t ||a_t|| ||b_t||`` bounds ``||G_i||`` (triangle inequality) and
+        With ``u`` the unit roundoff, ``tau`` the underflow term and ``R = sum_t ||a_t|| ||b_t||``, which bounds
+        ``||G_i||`` without cancellation (triangle inequality):
 
-        - ghost norm (``T > 1``): the computed ``S^ = sum_{t,s} fl(fl(a_t.a_s) fl(b_t.b_s))`` (Gram matrices by one
-          matrix product each, their product and the sum over ``s`` in the compute dtype, the sum over ``t`` in
-          float64) is within ``eps R^2 + eta`` of the exact ``||G_i||^2``, with ``eps = (1 + alpha_in)(1 + alpha_out)
-          (1 + u)(1 + gamma_T)(1 + gamma64_T) - 1``, ``alpha`` the dot products' error (``nb.kernel_error``, TF32 or
-          bfloat16 input rounding included where allowed) and ``eta = 2 T^2 (3 d_in d_out M^2 + 2) tau`` the
-          underflow of every product. The bound is ``min(R^2, max(S^, 0) + eps R^2 + eta)``, plus the scaling's
-          underflow (``3 M T sqrt(d_in d_out) tau`` on the norm). A record whose positions cancel gets at least
-          ``eps R^2``: it is clipped as if its norm were ``sqrt(eps) R``, never as if it were the rounding residue.
-        - one position: ``||G_i|| = ||a|| ||b||`` exactly, so ``R``.
+        - ghost norm (``T > 1``), on each sample's ``a`` and ``b`` scaled by powers of two (``nb.Scaled``; entries at
+          most ``M = 4``), per-position norms from the Gram matrices' diagonals: the computed ``S^ = sum_{t,s}
+          fl(fl(a_t.a_s) fl(b_t.b_s))`` (Gram matrices by one matrix product each, their product and the sum over
+          ``s`` in the compute dtype, the sum over ``t`` in float64) is within ``eps R^2 + eta`` of the exact
+          ``||G_i||^2``, with ``eps = (1 + alpha_in)(1 + alpha_out)(1 + u)(1 + gamma_T)(1 + gamma64_T) - 1``, ``alpha``
+          the dot products' error (``nb.kernel_error``, TF32 or bfloat16 input rounding included where allowed) and
+          ``eta = 2 T^2 (3 d_in d_out M^2 + 2) tau`` the underflow of every product. The bound is ``min(R^2, max(S^,
+          0) + eps R^2 + eta)``, plus the scaling's underflow (``3 M T sqrt(d_in d_out) tau`` on the norm). A record
+          whose positions cancel gets at least ``eps R^2``: it is clipped as if its norm were ``sqrt(eps) R``, never
+          as if it were the rounding residue.
+        - one position: ``||G_i|| = ||a|| ||b||`` exactly (times ``1 + alpha_1``, plus underflow, for the held
+          product), from whole-sample norms (``nb.sq_norm_upper``).
         - instantiated (``G^`` held, a rounded sum over ``T`` positions, ``|G^ - G| <= alpha_T R + eta`` entrywise in
           norm): ``min((1 + alpha_T) R, ||G^|| + alpha_T R) + eta``, which bounds both the exact ``G_i`` and the held
-          ``G^`` (the one the sums are made of).
+          ``G^`` (the one the sums are made of); here ``R <= ||a|| ||b||`` (Cauchy-Schwarz), as it only sizes the
+          rounding slack.
         - bias ``sum_t b_t``, a sum over positions: ``_sum_over_positions_bound``.
         """
         n, t, d_in = self.a.shape
@@ -156,50 +159,53 @@ class _OuterProduct:
         dtype, device = self.b.dtype, self.b.device
         u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
         u_mm = nb.input_roundoff(device, "matmul")
-        sb = nb.Scaled(self.b)
-        finite = sb.finite
+        ghost = self.weight is not None and self.per_sample_weight is None and t > 1
         parts = []
-        if self.weight is not None:
-            sa = nb.Scaled(self.a)
-            finite = finite & sa.finite
-            ghost_sum = None
-            if self.per_sample_weight is None and t > 1:
-                gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
-                gram.mul_(torch.bmm(sb.value, sb.value.transpose(1, 2)))
-                ghost_sum = gram.sum(dim=2).double().sum(dim=1)
-                del gram
-            norms_a = nb.row_norms_upper(sa.value)  # [n, T] (consumes sa.value)
-            norms_b = nb.row_norms_upper(sb.value)
-            r = (norms_a * norms_b).sum(dim=1) * (1.0 + nb.gamma(t, _U64)) * nb.F64  # R, scaled units
-            scale = sa.factor * sb.factor
-            if t == 1:
-                # G^ = fl(b a^T) (bmm with one term) or the exact product (ghost): one rounding
-                bound = nb.times(r * (1.0 + nb.kernel_error(1, u, u_mm)) * nb.F64, scale)
-                bound = bound + math.sqrt(d_in * d_out) * tau * (m * (sa.factor + sb.factor) + 2)
-            elif ghost_sum is not None:
-                eps = ((1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u)
-                       * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, _U64)) - 1)
-                eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
-                r2 = r.square() * nb.F64
-                sq = torch.minimum(r2, ghost_sum.clamp_min(0) + eps * r2 + eta) if math.isfinite(eps) else r2
-                bound = sq.sqrt() * nb.F64 + 3 * m * t * math.sqrt(d_in * d_out) * tau
-                bound = nb.times(bound, scale)
-            else:
-                alpha = nb.kernel_error(t, u, u_mm)
-                r = nb.times(r, scale)
-                eta = math.sqrt(d_in * d_out) * t * tau * (m * (sa.factor + sb.factor) + 2)
-                held = nb.sq_norm_upper(self.per_sample_weight).sqrt() * nb.F64
-                bound = torch.minimum((1 + alpha) * r, held + alpha * r) * nb.F64 + eta
-            parts.append(bound.square() * nb.F64)
+        if ghost:
+            sa, sb = nb.Scaled(self.a), nb.Scaled(self.b)
+            finite = sa.finite & sb.finite
+            # per-position norms from the Gram matrices' diagonals: no further pass over a and b
+            gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
+            norms_a = nb.gram_row_norms_upper(gram, d_in, nb.kernel_error(d_in, u, u_mm))
+            gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
+            norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
+            ghost_sum = gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)
+            del gram, gram_b
+            r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, _U64)) * nb.F64).square_().mul_(nb.F64)
+            eps = ((1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u)
+                   * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, _U64)) - 1)
+            eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
+            if math.isfinite(eps):
+                r2 = torch.minimum(r2, ghost_sum.clamp_min_(0).add_(r2, alpha=eps).add_(eta))
+            bound = r2.sqrt_().mul_(nb.F64).add_(3 * m * t * math.sqrt(d_in * d_out) * tau)
+            parts.append(nb.times(bound, sa.factor * sb.factor, dtype).square_().mul_(nb.F64))
             if self.bias is not None:
-                parts.append(self._bias_bound(norms_b, sb, u, tau).square() * nb.F64)
-        elif self.bias is not None:
-            parts.append(self._bias_bound(nb.row_norms_upper(sb.value), sb, u, tau).square() * nb.F64)
-        return nb.with_nan(_sum_parts(parts), finite)
+                positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)
+                positions = positions.mul_((1.0 + nb.gamma(t, _U64)) * nb.F64)  # >= sum_t ||b_t||
+                parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
+            return nb.with_nan(_sum_parts(parts), finite)
+        # one position, or G^ instantiated: whole-sample norms (cheap, no scaling: nb.sq_norm_upper), and
+        # R = sum_t ||a_t|| ||b_t|| <= ||a|| ||b|| (Cauchy-Schwarz) where it only sizes a rounding slack
+        norm_b = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.F64)  # NaN where b is not finite
+        if self.weight is not None:
+            norm_a = nb.sq_norm_upper(self.a).sqrt_().mul_(nb.F64)
+            r = norm_a * norm_b  # = ||G_i|| for one position
+            # underflow of each product (and flushed subnormal inputs, at most tiny times the other factor)
+            eta = (norm_a + norm_b).add_(2).mul_(math.sqrt(d_in * d_out) * t * tau)
+            alpha = nb.kernel_error(t, u, u_mm)
+            if self.per_sample_weight is None:  # one position: G^ = fl(b a^T) or exact, one rounding
+                bound = r.mul_((1 + alpha) * nb.F64).add_(eta)
+            else:
+                held = nb.sq_norm_upper(self.per_sample_weight).sqrt_().mul_(nb.F64)
+                bound = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(eta)
+            parts.append(bound.square_().mul_(nb.F64))
+        if self.bias is not None:
+            positions = norm_b * (math.sqrt(t) * nb.F64)  # >= sum_t ||b_t|| (Cauchy-Schwarz)
+            parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
+        return _sum_parts(parts)
 
-    def _bias_bound(self, norms_b: Tensor, sb: nb.Scaled, u: float, tau: float) -> Tensor:
-        return _sum_over_positions_bound(nb.times(norms_b, sb.factor[:, None]), self.per_sample_bias,
-                                         self.b.shape[1], u, tau)
+    def _bias_bound(self, positions: Tensor, u: float, tau: float) -> Tensor:
+        return _sum_over_positions_bound(positions, self.per_sample_bias, self.b.shape[1], u, tau)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         weights = weights.to(self.b.dtype)
@@ -240,15 +246,14 @@ class _Embedding:
         dtype, device = self.b.dtype, self.b.device
         u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
         u_mm = nb.input_roundoff(device, "matmul")
-        sb = nb.Scaled(self.b)
         if t == 1:
-            bound = nb.row_norms_upper(sb.value)[:, 0]
-            return nb.with_nan(nb.times(bound.square() * nb.F64, sb.factor.square()), sb.finite)
+            return nb.sq_norm_upper(self.b)
+        sb = nb.Scaled(self.b)
         same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(dtype)  # exact 0/1
-        gram = torch.bmm(sb.value, sb.value.transpose(1, 2)).mul_(same)
-        ghost_sum = gram.sum(dim=2).double().sum(dim=1)
+        gram = torch.bmm(sb.value, sb.value.transpose(1, 2))
+        norms = nb.gram_row_norms_upper(gram, d, nb.kernel_error(d, u, u_mm))  # [n, T] float64, >= ||b_t||
+        ghost_sum = gram.mul_(same).sum(dim=2).double().sum(dim=1)
         del gram
-        norms = nb.row_norms_upper(sb.value)  # [n, T] float64, >= ||b_t|| (scaled)
         # R^2 = sum_t ||b_t|| (sum_s same_ts ||b_s||): the inner sums by a matrix product of non-negative terms,
         # relative error alpha_T, on norms rounded up to the compute dtype
         alpha_t = nb.kernel_error(t, u, u_mm)
@@ -259,7 +264,7 @@ class _Embedding:
         eta = 2 * t * t * (d + 2) * tau
         sq = torch.minimum(r2, ghost_sum.clamp_min(0) + eps * r2 + eta) if math.isfinite(eps) else r2
         bound = sq.sqrt() * nb.F64 + t * math.sqrt(d) * tau  # + the scaling's underflow
-        return nb.with_nan(nb.times(bound.square() * nb.F64, sb.factor.square()), sb.finite)
+        return nb.with_nan(nb.times(bound.square_().mul_(nb.F64), sb.factor.square(), dtype), sb.finite)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         weights = weights.to(self.b.dtype)
@@ -311,17 +316,17 @@ def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Ten
             b_parts.append(g.reshape(g.shape[0], d_out, math.prod(g.shape[2:])).transpose(1, 2))  # [n, L, C_out]
         return _OuterProduct(layer.weight, layer.bias, _cat(a_parts), _cat(b_parts))
     # instantiated: the per-sample weight gradients by one grouped convolution. Each entry is a sum over the L
-    # output positions that may cancel, so the bound adds alpha_L R (R = sum_t ||patch_t|| ||b_t||, alpha_L the
-    # kernel's dot-product error; this assumes a direct or GEMM-based kernel, whose entries are sums of products, as
-    # oneDNN's and cuDNN's usual ones are: FFT/Winograd algorithms would be outside this model)
+    # output positions that may cancel, so the bound adds alpha_L R (alpha_L the kernel's dot-product error; this
+    # assumes a direct or GEMM-based kernel, whose entries are sums of products, as oneDNN's and cuDNN's usual ones
+    # are: FFT/Winograd algorithms would be outside this model). R = sum_t ||patch_t|| ||b_t|| <= sqrt(k) ||x|| ||b||
+    # (Cauchy-Schwarz; each input pixel lies in at most k = prod(kernel) patches), which needs no unfolding.
     grads: dict[nn.Parameter, Tensor] = {}
     dtype, device = gs[0].dtype, gs[0].device
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
     n = gs[0].shape[0]
     r = torch.zeros(n, dtype=torch.float64, device=device)
-    eta = torch.zeros(n, dtype=torch.float64, device=device)
-    finite = torch.ones(n, dtype=torch.bool, device=device)
-    bias_positions = []
+    r_bias = torch.zeros(n, dtype=torch.float64, device=device)
+    largest = torch.zeros(n, dtype=torch.float64, device=device)  # of |x| and |b|, for the underflow terms
     k = math.prod(kernel)
     for x, g in zip(xs, gs):
         x = x.to(g.dtype)
@@ -333,32 +338,22 @@ def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Ten
         )
         _accumulate(grads, layer.weight, per_sample.reshape(n, *layer.weight.shape))
         _accumulate(grads, layer.bias, g.sum(dim=(2, 3)))
-        positions = math.prod(g.shape[2:])
-        sx, sg = nb.Scaled(x), nb.Scaled(g)
-        finite = finite & sx.finite & sg.finite
-        # ||patch_t||^2: the squared input summed over channels (C terms), then over each window (k terms), both
-        # sums of non-negative terms; unfolding one channel is cheap
-        channels = x.shape[1]
-        pixels = sx.value.square_().sum(dim=1, keepdim=True)
-        windows = F.unfold(pixels, kernel, dilation=dilation, padding=padding, stride=stride).sum(dim=1).double()
-        norms_x = ((windows + 3 * channels * k * tau) / ((1 - nb.gamma(channels, u)) * (1 - nb.gamma(k, u)))).sqrt()
-        norms_x = norms_x * nb.F64 + math.sqrt(channels * k) * tau
-        norms_g = nb.row_norms_upper(sg.value.reshape(n, d_out, positions), dim=1)  # [n, L]
-        call_r = (norms_x * norms_g).sum(dim=1) * (1.0 + nb.gamma(positions, _U64)) * nb.F64
-        r = r + nb.times(call_r, sx.factor * sg.factor)
-        eta = eta + math.sqrt(d_in * d_out) * positions * tau * (m * (sx.factor + sg.factor) + 2)
-        if layer.bias is not None and layer.bias.requires_grad:
-            bias_positions.append(nb.times(norms_g, sg.factor[:, None]))
+        norm_x, norm_g = nb.sq_norm_upper(x).sqrt_(), nb.sq_norm_upper(g).sqrt_()  # NaN where not finite
+        r = r + norm_x * norm_g * (math.sqrt(k) * nb.F64)
+        r_bias = r_bias + norm_g * (math.sqrt(math.prod(g.shape[2:])) * nb.F64)  # >= sum_t ||b_t||
+        largest = torch.maximum(largest, torch.maximum(norm_x, norm_g))
     depth = sum(math.prod(g.shape[2:]) for g in gs) + len(gs)  # positions, and the sum over calls
     bounds: dict[nn.Parameter, Tensor] = {}
     if layer.weight in grads:
         alpha = nb.kernel_error(depth, u, nb.input_roundoff(device, "conv"))
-        held = nb.sq_norm_upper(grads[layer.weight]).sqrt() * nb.F64
-        bound = torch.minimum((1 + alpha) * r, held + alpha * r) * nb.F64 + eta
-        bounds[layer.weight] = nb.with_nan(bound, finite)
-    if bias_positions:
-        bound = _sum_over_positions_bound(torch.cat(bias_positions, dim=1), grads[layer.bias], depth, u, tau)
-        bounds[layer.bias] = nb.with_nan(bound, finite)
+        eta = (largest * (2 * m) + 2) * (math.sqrt(d_in * d_out) * depth * tau)
+        held = nb.sq_norm_upper(grads[layer.weight]).sqrt_().mul_(nb.F64)
+        bounds[layer.weight] = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(eta)
+    if layer.bias in grads:
+        g_t = nb.gamma(depth, u)
+        absolute = depth * math.sqrt(d_out) * tau
+        held = nb.sq_norm_upper(grads[layer.bias]).sqrt_().mul_(nb.F64)
+        bounds[layer.bias] = torch.minimum(r_bias * (1 + g_t), held.add_(r_bias, alpha=g_t)).add_(absolute)
     return _Instantiated(grads, bounds=bounds)
 
 
@@ -368,55 +363,98 @@ def _embedding(layer: nn.Embedding, inputs: list[tuple], backprops: list[Tensor]
     return _Embedding(layer, idx, b)
 
 
+_BLOCK = 32  # positions summed in float32 before the blocks' sums go to float64 (``_sum_over_positions``)
+
+
+def _sum_over_positions(x: Tensor, dim: int) -> tuple[Tensor, float]:
+    """``x.sum(dim)`` in float64 (``x`` float32 or float64, ``dim`` 1 or -1), by blocks of ``_BLOCK`` positions summed in
+    ``x``'s dtype, then the blocks in float64: within ``err * sum |x|`` of the exact sum, entrywise, where ``err`` (the
+    second value) is ``(1 + gamma_BLOCK)(1 + gamma64_blocks) - 1``: a sum of many positions costs ``~32 u``, not
+    ``T u``, and a float64 pass over only ``1/32`` of the data."""
+    positions = x.shape[dim]
+    full = positions // _BLOCK * _BLOCK
+    parts = []
+    if full:
+        body = x.narrow(dim, 0, full)
+        if dim == 1:
+            parts.append(body.reshape(x.shape[0], full // _BLOCK, _BLOCK, *x.shape[2:]).sum(dim=2))
+        else:
+            parts.append(body.reshape(*x.shape[:-1], full // _BLOCK, _BLOCK).sum(dim=-1))
+    if full < positions:
+        parts.append(x.narrow(dim, full, positions - full).sum(dim=dim, keepdim=True))
+    blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    u = nb.unit_roundoff(x.dtype)
+    err = (1 + nb.gamma(min(positions, _BLOCK), u)) * (1 + nb.gamma(blocks.shape[dim], _U64)) - 1
+    return blocks.double().sum(dim=dim), err
+
+
+def _positive_sum_upper(x: Tensor, dim: int) -> Tensor:
+    """An upper bound (float64) of ``x.sum(dim)`` for ``x >= 0``: the float sum within ``gamma_T`` relative (plus
+    ``T tiny`` where additions flush to zero), or ``_sum_over_positions``'s where ``gamma_T`` is unbounded."""
+    positions = x.shape[dim]
+    g = nb.gamma(positions, nb.unit_roundoff(x.dtype))
+    tau = nb.tiny(x.dtype)
+    if math.isfinite(g):
+        return x.sum(dim=dim).double().add_(positions * tau).mul_(nb.F64 / (1 - g))
+    total, err = _sum_over_positions(x, dim)
+    return total.add_(positions * tau).mul_(nb.F64 / (1 - err))
+
+
 def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> _Instantiated:
-    """``x_hat`` and the per-sample gradients in float64: ``x_hat`` so that its rounding (which grows with
-    ``|mean| / std`` of a row, and a record can make large) stays far below the bounds' margins, the sums over
-    positions so that a record cancelling across positions cannot hide its norm (``_normalisation``)."""
     parts = []
     size = math.prod(layer.normalized_shape)
     for x, g in zip(inputs, backprops):
-        g64 = g.double()
-        x_hat = F.layer_norm(x[0].double(), layer.normalized_shape, eps=layer.eps)
+        x_hat = F.layer_norm(x[0].to(g.dtype), layer.normalized_shape, eps=layer.eps)
         n = g.shape[0]
         positions = math.prod(g.shape[1 : g.dim() - len(layer.normalized_shape)])
-        parts.append((x_hat.reshape(n, positions, size), g64.reshape(n, positions, size)))
-    return _normalisation(layer, parts, tuple(layer.normalized_shape), backprops[0].dtype)
+        parts.append((x_hat.reshape(n, positions, size), g.reshape(n, positions, size)))
+    return _normalisation(layer, parts, tuple(layer.normalized_shape), position_dim=1)
 
 
 def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> _Instantiated:
     parts = []
     for x, g in zip(inputs, backprops):
-        x_hat = F.group_norm(x[0].double(), layer.num_groups, eps=layer.eps)
+        x_hat = F.group_norm(x[0].to(g.dtype), layer.num_groups, eps=layer.eps)
         n, channels = g.shape[:2]
         positions = math.prod(g.shape[2:])
-        parts.append((x_hat.reshape(n, channels, positions).transpose(1, 2),
-                      g.double().reshape(n, channels, positions).transpose(1, 2)))
-    return _normalisation(layer, parts, (layer.num_channels,), backprops[0].dtype)
+        parts.append((x_hat.reshape(n, channels, positions), g.reshape(n, channels, positions)))
+    return _normalisation(layer, parts, (layer.num_channels,), position_dim=-1)
 
 
-def _normalisation(layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, dtype: torch.dtype) -> _Instantiated:
-    """LayerNorm/GroupNorm from float64 ``(x_hat, b)`` pairs ``[n, positions, D]`` of each call: the weight's
-    per-sample gradient is ``sum_t x_hat_t * b_t``, the bias's ``sum_t b_t``. Computed in float64 (``G64``, a sum over
-    ``T`` positions within ``gamma64_T sum_t ||term_t||`` of the exact one) and held in the compute dtype (``G``, within
-    ``u ||G64||`` and ``sqrt(D) tiny``), so the bound ``(||G64|| + gamma64_T sum_t ||term_t||) (1 + u) + sqrt(D) tiny``
-    covers both the exact gradient and the one the sums are made of."""
+def _normalisation(layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int) -> _Instantiated:
+    """LayerNorm/GroupNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat`` as the
+    layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t * b_t``, the
+    bias's ``sum_t b_t``, sums over positions that can cancel. Each is summed by ``_sum_over_positions`` (float64 in the
+    end) after one rounded product, so ``G64`` is within ``err sum_t |term_t|`` (entrywise, plus ``T tiny`` of
+    underflow) of the exact sum, and is held in the compute dtype (``G``, within ``u |G64|`` and ``tiny``). The bound
+    ``(||G64|| + err ||sum_t |term_t| ||) (1 + u) + sqrt(D) tiny`` covers both the exact gradient and ``G``."""
+    dtype = parts[0][1].dtype
     u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+    width = math.prod(shape)
     grads64: dict[nn.Parameter, Tensor] = {}
     spread: dict[nn.Parameter, Tensor] = {}
-    depth = sum(x_hat.shape[1] for x_hat, _ in parts) + len(parts)
+    positions = sum(x_hat.shape[position_dim] for x_hat, _ in parts)
+    err = 0.0
     for x_hat, b in parts:
-        for param, term in ((layer.weight, x_hat * b), (layer.bias, b)):
+        n = b.shape[0]
+        buffer = None
+        for param, rounded in ((layer.weight, True), (layer.bias, False)):
             if param is None or not param.requires_grad:
                 continue
-            _accumulate(grads64, param, term.sum(dim=1).reshape(term.shape[0], *shape))
-            _accumulate(spread, param, term.square().sum(dim=2).sqrt().sum(dim=1))  # sum_t ||term_t||
+            term = x_hat.mul_(b) if rounded else b  # x_hat is this function's own copy: multiplied in place
+            summed, call_err = _sum_over_positions(term, position_dim)
+            err = max(err, (1 + call_err) * (1 + u) - 1 if rounded else call_err)
+            _accumulate(grads64, param, summed.reshape(n, *shape))
+            buffer = term.abs_() if rounded else torch.abs(term, out=buffer)  # no new tensor of this size
+            _accumulate(spread, param, _positive_sum_upper(buffer, position_dim).reshape(n, *shape))
+    err = (1 + err) * (1 + nb.gamma(len(parts), _U64)) - 1  # the sum over calls
     grads, bounds = {}, {}
     for param, g64 in grads64.items():
-        held = nb.sq_norm_upper(g64).sqrt() * nb.F64
-        # 2 x: the float64 rounding of spread itself, far below a factor 2
-        bound = (held + 2 * nb.gamma(depth, _U64) * spread[param]) * (1 + u) * nb.F64 + math.sqrt(math.prod(g64.shape[1:])) * tau
+        magnitude = nb.sq_norm_upper(spread[param]).sqrt_().mul_(nb.F64)
+        held = nb.sq_norm_upper(g64).sqrt_().mul_(nb.F64)
+        slack = magnitude.mul_(err).add_(2 * positions * math.sqrt(width) * tau)
+        bounds[param] = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
         grads[param] = g64.to(dtype)
-        bounds[param] = bound
     return _Instantiated(grads, bounds=bounds)
 
 

@@ -30,6 +30,9 @@ import math
 import torch
 from torch import Tensor
 
+#: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond, the scaled float32 route is faster on CPU)
+FLOAT64_ROUTE_LIMIT = 1 << 20
+
 #: a generous factor for the rounding of the few float64 operations that combine bounds (each formula below has far
 #: fewer than ``2^13`` of them, and each adds at most ``2^-53`` relative)
 F64 = 1.0 + 2.0**-40
@@ -95,23 +98,20 @@ def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
 
 
-def pow2(exponent: Tensor, dtype: torch.dtype) -> Tensor:
-    """``2^exponent`` exactly, built from its bits (``exponent`` integer, in the normal range of ``dtype``)."""
-    if dtype == torch.float64:
-        return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
-    if dtype == torch.float32:
-        return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
-    raise TypeError(f"no exact power of two for {dtype}")
+_BITS = {  # dtype: (integer view, mantissa bits, exponent field mask)
+    torch.float32: (torch.int32, 23, 0xFF),
+    torch.float64: (torch.int64, 52, 0x7FF),
+}
 
 
 class Scaled:
     """A tensor ``x`` of shape ``[n, ...]`` divided per sample by ``2^e_i``, ``e_i`` the exponent of sample ``i``'s
     largest absolute entry, so that the largest entry of ``x_i 2^-e_i`` lies in ``[1/2, 1)`` (below ``MAX_ENTRY`` = 4
-    where ``e`` is clamped to keep ``2^-e`` a normal number; smaller where the sample is tiny).
+    where ``e`` is clamped to keep ``2^e`` and ``2^-e`` normal numbers; smaller where the sample is tiny).
 
     ``value``: the scaled tensor (same dtype, float32 or float64; exact but for entries that underflow, each off by
     at most ``tiny``). ``factor``: ``2^e_i`` in float64, shape ``[n]``. ``finite``: whether sample ``i`` holds only
-    finite values (for the others ``factor`` is 1 and the bound built on them must be discarded: ``with_nan``).
+    finite values (for the others the bound built on them must be discarded: ``with_nan``).
     """
 
     MAX_ENTRY = 4.0
@@ -121,27 +121,27 @@ class Scaled:
         flat = x.reshape(n, math.prod(x.shape[1:]))
         if flat.shape[1] == 0:
             largest = torch.zeros(n, dtype=x.dtype, device=x.device)
-        else:
-            low, high = torch.aminmax(flat, dim=1)  # NaN propagates
-            largest = torch.maximum(high, -low)
-        self.finite = torch.isfinite(largest)
-        exponent = torch.frexp(torch.where(self.finite, largest, torch.ones_like(largest))).exponent
-        limit = {torch.float32: 128, torch.float64: 1024}[x.dtype]  # largest < 2^limit
-        exponent = exponent.clamp(3 - limit, limit - 2)  # 2^-e normal; largest 2^-e < 2^2
-        shape = (n,) + (1,) * (x.dim() - 1)
-        self.value = x * pow2(-exponent, x.dtype).reshape(shape)
-        self.factor = pow2(exponent, torch.float64)
+        else:  # amax and amin (NaN propagates): several times faster than aminmax or abs().amax() on CPU
+            largest = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+        # 2^e from the exponent field E of the largest entry (largest in [2^(E-bias), 2^(E-bias+1)) for a normal
+        # number): the power of two with field E + 1, clamped to [2, max - 2] so that it and its reciprocal are normal
+        integer, mantissa, mask = _BITS[x.dtype]
+        field = (largest.view(integer) >> mantissa) & mask
+        self.finite = field != mask  # the all-ones exponent: inf or NaN
+        up = ((field + 1).clamp_(2, mask - 2) << mantissa).view(x.dtype)
+        self.value = x * up.reciprocal().reshape((n,) + (1,) * (x.dim() - 1))  # exact: powers of two
+        self.factor = up.double()
 
 
-def row_norms_upper(scaled: Tensor, dim: int = -1) -> Tensor:
-    """Upper bounds (float64) of the norms along ``dim`` of a scaled tensor, from one square-and-sum pass in its
-    dtype: ``fl(sum fl(x_j^2)) >= (1 - gamma_d) sum x_j^2 - 2 d tiny`` for ``d`` positive terms. The entries' own
-    underflow in the scaling (each off by at most ``tiny``) adds ``sqrt(d) tiny`` to the norm. Consumes ``scaled``
-    (squared in place)."""
-    d = scaled.shape[dim]
-    u, t = unit_roundoff(scaled.dtype), tiny(scaled.dtype)
-    sums = scaled.square_().sum(dim=dim).double()
-    return ((sums + 2 * d * t) / (1.0 - gamma(d, u))).sqrt() * F64 + math.sqrt(d) * t
+def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
+    """Upper bounds (float64, ``[n, T]``) of the norms of the scaled rows ``x_t`` (length ``d``) whose Gram matrix
+    ``fl(x x^T)`` is ``gram`` (``[n, T, T]``, by a kernel with dot-product error ``alpha``): the diagonal is a sum of
+    squares, ``|G_tt - ||x_t||^2| <= alpha ||x_t||^2 + d tiny``; plus ``sqrt(d) tiny`` for the scaling's underflow."""
+    t = tiny(gram.dtype)
+    if alpha >= 1:
+        return torch.full(gram.shape[:2], math.inf, dtype=torch.float64, device=gram.device)
+    diagonal = gram.diagonal(dim1=1, dim2=2).double()
+    return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
 
 
 def sq_norm_upper(x: Tensor) -> Tensor:
@@ -156,21 +156,33 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     rows = math.prod(x.shape[1:]) // last if last else 0
     if last == 0 or rows == 0:
         return torch.zeros(n, dtype=torch.float64, device=x.device)
+    if x.dtype == torch.float32 and x.numel() <= FLOAT64_ROUTE_LIMIT:
+        # float32 values squared in float64 are exact and can neither overflow nor underflow: only the float64 sum
+        # of P non-negative terms rounds, within gamma64_P. Fewer, cheaper operations than scaling, at the price of a
+        # float64 copy (hence the size limit)
+        per_sample = rows * last
+        total = x.reshape(n, per_sample).double().square_().sum(dim=1)
+        return total.mul_(F64 / (1.0 - gamma(per_sample, unit_roundoff(torch.float64))))
     scaled = Scaled(x.reshape(n, rows, last))
-    u, t = unit_roundoff(x.dtype), tiny(x.dtype)
+    u, t, u64 = unit_roundoff(x.dtype), tiny(x.dtype), unit_roundoff(torch.float64)
     partial = scaled.value.square_().sum(dim=2).double()  # [n, rows]: fl of `last` positive terms each
-    total = partial.sum(dim=1) / (1.0 - gamma(rows, unit_roundoff(torch.float64)))
-    total = (total + 2 * rows * last * t) / (1.0 - gamma(last, u)) * F64
-    # the scaling's underflow moved each entry by at most tiny: ||x'|| <= ||stored|| + sqrt(P) tiny
-    bound = (total.sqrt() + math.sqrt(rows * last) * t).square() * F64
-    return with_nan(times(bound, scaled.factor.square()), scaled.finite)
+    # the rows' sum in float64 within gamma64_rows, each row within gamma_last (and 2 last tiny of underflow) of its
+    # exact sum; and the scaling's underflow, each entry off by at most tiny, adds c = sqrt(P) tiny to the norm:
+    # (sqrt(A) + c)^2 <= A (1 + 2^-40) + c^2 (1 + 2^40)
+    relative = F64**3 / ((1.0 - gamma(rows, u64)) * (1.0 - gamma(last, u)))
+    absolute = 2 * rows * last * t * F64**2 / (1.0 - gamma(last, u)) + rows * last * t * t * (1 + 2.0**40)
+    bound = partial.sum(dim=1).mul_(relative).add_(absolute)
+    return with_nan(times(bound, scaled.factor.square(), x.dtype), scaled.finite)
 
 
-def times(bound: Tensor, factor: Tensor) -> Tensor:
-    """``bound * factor`` with ``0 * inf = 0`` (a float64 factor can overflow only for float64 compute dtypes)."""
-    return torch.where(bound == 0, bound, bound * factor)
+def times(bound: Tensor, factor: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``bound * factor`` (float64). For a float64 compute ``dtype`` the factor can overflow: ``0 * inf`` is 0 then.
+    For float32 (factors at most ``2^126``, their squared products ``2^504``) it cannot."""
+    if dtype != torch.float64:
+        return bound * factor
+    return torch.where(bound == 0, 0.0, bound * factor)
 
 
 def with_nan(bound: Tensor, finite: Tensor) -> Tensor:
     """``bound`` where ``finite``, NaN elsewhere (a non-finite input gives a non-finite norm)."""
-    return torch.where(finite, bound, torch.full_like(bound, math.nan))
+    return torch.where(finite, bound, math.nan)
