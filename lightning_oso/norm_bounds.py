@@ -16,11 +16,13 @@ standard rounding-error model (Higham, *Accuracy and Stability of Numerical Algo
 - a float32 matrix product or convolution may round its *inputs* to TF32 (``u_in = 2^-11``) or bfloat16
   (``2^-8``) where the user's precision settings allow it (``input_roundoff``); the bound then uses that.
 
-Overflow: each sample's tensors are rescaled by a power of two (exact, up to underflow of entries below ``2^-126``
-of the sample's largest one, which the absolute terms cover) so that their largest entry is near 1 before any
-product, and the scale is put back in float64. A finite record thus never yields an infinite or NaN bound; a bound
-is only infinite where the norm itself exceeds the compute dtype's range once rounded back (see ``round_up``).
-A record with NaN or inf in its tensors gets a NaN bound (the strategy refuses such a step).
+Overflow: before products that could overflow, each sample's tensors are rescaled by a power of two (``Scaled``:
+exact, up to underflow of entries below ``2^-126`` of the sample's largest one, which the absolute terms cover) so
+that their largest entry is near 1, and the scale is put back in float64; small float32 sums of squares are taken in
+float64 instead, where squares of float32 values are exact. A finite record thus never yields an infinite or NaN
+bound; a bound is only infinite where the norm itself exceeds the compute dtype's range once rounded back (see
+``round_up``). A record with NaN or inf in its tensors gets a NaN (or infinite) bound: the strategy refuses such a
+step.
 """
 
 from __future__ import annotations
