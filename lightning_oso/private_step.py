@@ -9,24 +9,45 @@ no synchronisation.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_oso import norm_bounds
 from lightning_oso.randomness import SecureRandom, standard_normal_like
+
+_U64 = norm_bounds.unit_roundoff(torch.float64)
 
 
 def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
-    """L2 norm of each sample's gradient flattened over all parameters: ``||g_i||``, shape ``[n]``."""
-    squares = [g.flatten(start_dim=1).pow(2).sum(dim=1) for g in grad_samples]
-    return torch.stack(squares, dim=0).sum(dim=0).sqrt()
+    """L2 norm of each sample's gradient flattened over all parameters: ``||g_i||``, shape ``[n]``, in the dtype of the
+    per-sample gradients (at least float32).
+
+    Rounded upwards, never below the exact norm of the given tensors: each parameter's sum of squares is computed on
+    the sample's values scaled by a power of two (no overflow for finite values, ``norm_bounds.sq_norm_upper``) and
+    bounded with its relative rounding margin, and the sum, root and final rounding are made upwards. A sample with a
+    NaN/inf entry gets a NaN norm.
+    """
+    squares = [norm_bounds.sq_norm_upper(g) for g in grad_samples]
+    total = torch.stack(squares, dim=0).sum(dim=0) * (1.0 + norm_bounds.gamma(len(squares), _U64))
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grad_samples], torch.float32)
+    return norm_bounds.round_up(total.sqrt() * (1.0 + _U64) * norm_bounds.F64, dtype)
+
+
+def _ratio(numerator: Tensor | float, norms: Tensor) -> Tensor:
+    """``numerator / norms`` (one correctly rounded division, within ``u`` relative of the exact ratio), with a
+    subnormal result flushed to 0: a subnormal's rounding is not relative, and 0 is the safe side. A zero norm
+    counts as the smallest normal one (its weight multiplies zeros)."""
+    tiny = torch.finfo(norms.dtype).tiny
+    ratio = numerator / norms.clamp_min(tiny)
+    return torch.where(ratio < tiny, torch.zeros_like(ratio), ratio)
 
 
 def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
     """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``."""
-    inv_norms = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)  # a zero gradient: weight C/tiny, times 0
-    return (clip * inv_norms).clamp(max=1.0).unsqueeze(1)
+    return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
 
 
 def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
@@ -42,10 +63,9 @@ def oso_weights(norms: Tensor, clip: Tensor) -> Tensor:
     Column 1 keeps the unit direction of the clipped samples only (eq. 11):
     ``d_i = g_i / ||g_i||`` if ``||g_i|| > C_t`` else 0, so ``||d_i||`` is 0 or 1 and the sum has sensitivity 1.
     """
-    # clamp: a zero gradient gets weight C/eps (harmless, it multiplies zeros) instead of inf * 0 = nan
-    inv_norms = 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny)
-    clip_weight = (clip * inv_norms).clamp(max=1.0)
-    direction_weight = torch.where(norms > clip, inv_norms, torch.zeros_like(norms))
+    # a zero gradient gets weight C/tiny (harmless, it multiplies zeros) instead of inf * 0 = nan
+    clip_weight = _ratio(clip, norms).clamp(max=1.0)
+    direction_weight = torch.where(norms > clip, _ratio(1.0, norms), torch.zeros_like(norms))
     return torch.stack([clip_weight, direction_weight], dim=1)
 
 

@@ -1,0 +1,190 @@
+"""Rigorous upper bounds of per-sample gradient norms computed in floating point.
+
+The clipping weight ``min(1, C / N_i)`` bounds a record's contribution by ``C`` only if ``N_i >= ||g_i||``. A norm
+computed in floating point may fall below the true one; where the computation cancels (the ghost norm's Gram
+identity, a per-sample gradient summed over positions) it may fall far below it, and a record can be built to make
+it so. The functions here return float64 bounds ``N_i^2 >= ||g_i||^2`` from what the compute dtype gives, by the
+standard rounding-error model (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 2-3):
+
+- a float op rounds its exact result ``x`` to ``x (1 + delta) + eta`` with ``|delta| <= u`` (``u`` the unit roundoff,
+  ``2^-24`` for float32, ``2^-53`` for float64) and an absolute underflow term ``|eta| <= tiny`` (the smallest
+  normal number; this also covers flush-to-zero of subnormal inputs and results, ``torch.set_flush_denormal``);
+- a sum of ``k`` terms in *any* order (sequential, pairwise, blocked, split over threads) carries each term through
+  at most ``k - 1`` additions, so it is off by at most ``gamma_{k-1} sum |terms|``, ``gamma_k = k u / (1 - k u)``;
+  a dot product of length ``k`` by at most ``gamma_k sum |x_j y_j|`` (fused multiply-adds only do better). No
+  assumption about torch's summation order is made.
+- a float32 matrix product or convolution may round its *inputs* to TF32 (``u_in = 2^-11``) or bfloat16
+  (``2^-8``) where the user's precision settings allow it (``input_roundoff``); the bound then uses that.
+
+Overflow: before products that could overflow, each sample's tensors are rescaled by a power of two (``Scaled``:
+exact, up to underflow of entries below ``2^-126`` of the sample's largest one, which the absolute terms cover) so
+that their largest entry is near 1, and the scale is put back in float64; small float32 sums of squares are taken in
+float64 instead, where squares of float32 values are exact. A finite record thus never yields an infinite or NaN
+bound; a bound is only infinite where the norm itself exceeds the compute dtype's range once rounded back (see
+``round_up``). A record with NaN or inf in its tensors gets a NaN (or infinite) bound: the strategy refuses such a
+step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond, the scaled float32 route is faster on CPU)
+FLOAT64_ROUTE_LIMIT = 1 << 20
+
+#: a generous factor for the rounding of the few float64 operations that combine bounds (each formula below has far
+#: fewer than ``2^13`` of them, and each adds at most ``2^-53`` relative)
+F64 = 1.0 + 2.0**-40
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def tiny(dtype: torch.dtype) -> float:
+    """The absolute error of one product or sum that underflows (flush-to-zero included)."""
+    return torch.finfo(dtype).tiny
+
+
+def gamma(k: int | float, u: float) -> float:
+    """``gamma_k = k u / (1 - k u)``; ``inf`` where the model does not bound the error (``k u >= 1/2``)."""
+    ku = k * u
+    return ku / (1.0 - ku) if ku < 0.5 else math.inf
+
+
+def input_roundoff(device: torch.device, op: str) -> float:
+    """Relative rounding of the inputs of a float32 ``op`` (``"matmul"`` or ``"conv"``) on ``device``: 0 where the
+    backend computes in IEEE float32, else that of the reduced format it is allowed (TF32 ``2^-11``, bfloat16
+    ``2^-8``). Read from torch's precision settings at the time of the call; a setting that cannot be read counts
+    as bfloat16."""
+    modes: set[str] = set()
+    try:
+        precision = torch.get_float32_matmul_precision()
+        if op == "matmul":
+            modes.add({"highest": "ieee", "high": "tf32", "medium": "bf16"}.get(precision, "bf16"))
+        backends = torch.backends
+        if device.type == "cuda":
+            if op == "matmul":
+                modes.add("tf32" if backends.cuda.matmul.allow_tf32 else "ieee")
+                modes.add(getattr(backends.cuda.matmul, "fp32_precision", "ieee"))
+            else:
+                modes.add("tf32" if backends.cudnn.allow_tf32 else "ieee")
+                modes.add(getattr(getattr(backends.cudnn, "conv", None), "fp32_precision", "ieee"))
+        else:
+            sub = getattr(getattr(backends, "mkldnn", None), "matmul" if op == "matmul" else "conv", None)
+            modes.add(getattr(sub, "fp32_precision", "ieee"))
+    except Exception:  # an unreadable setting: assume the coarsest
+        modes.add("bf16")
+    if "bf16" in modes:
+        return 2.0**-8
+    if "tf32" in modes:
+        return 2.0**-11
+    return 0.0
+
+
+def kernel_error(k: int, u: float, u_in: float) -> float:
+    """Relative (to ``sum |x_j y_j|``) error bound of a length-``k`` dot product inside a matmul/conv kernel whose
+    inputs may be rounded by ``u_in`` and whose accumulation is in the compute dtype (``u``)."""
+    return (1.0 + u_in) ** 2 * (1.0 + gamma(k, u)) - 1.0
+
+
+def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` (float64) in ``dtype``, rounded towards ``+inf`` (so an upper bound stays one). Beyond ``dtype``'s range
+    it is ``inf``; NaN stays NaN."""
+    if dtype == torch.float64:
+        return x
+    y = x.to(dtype)
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+
+
+_BITS = {  # dtype: (integer view, mantissa bits, exponent field mask)
+    torch.float32: (torch.int32, 23, 0xFF),
+    torch.float64: (torch.int64, 52, 0x7FF),
+}
+
+
+class Scaled:
+    """A tensor ``x`` of shape ``[n, ...]`` divided per sample by ``2^e_i``, ``e_i`` the exponent of sample ``i``'s
+    largest absolute entry, so that the largest entry of ``x_i 2^-e_i`` lies in ``[1/2, 1)`` (below ``MAX_ENTRY`` = 4
+    where ``e`` is clamped to keep ``2^e`` and ``2^-e`` normal numbers; smaller where the sample is tiny).
+
+    ``value``: the scaled tensor (same dtype, float32 or float64; exact but for entries that underflow, each off by
+    at most ``tiny``). ``factor``: ``2^e_i`` in float64, shape ``[n]``. ``finite``: whether sample ``i`` holds only
+    finite values (for the others the bound built on them must be discarded: ``with_nan``).
+    """
+
+    MAX_ENTRY = 4.0
+
+    def __init__(self, x: Tensor) -> None:
+        n = x.shape[0]
+        flat = x.reshape(n, math.prod(x.shape[1:]))
+        if flat.shape[1] == 0:
+            largest = torch.zeros(n, dtype=x.dtype, device=x.device)
+        else:  # amax and amin (NaN propagates): several times faster than aminmax or abs().amax() on CPU
+            largest = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+        # 2^e from the exponent field E of the largest entry (largest in [2^(E-bias), 2^(E-bias+1)) for a normal
+        # number): the power of two with field E + 1, clamped to [2, max - 2] so that it and its reciprocal are normal
+        integer, mantissa, mask = _BITS[x.dtype]
+        field = (largest.view(integer) >> mantissa) & mask
+        self.finite = field != mask  # the all-ones exponent: inf or NaN
+        up = ((field + 1).clamp_(2, mask - 2) << mantissa).view(x.dtype)
+        self.value = x * up.reciprocal().reshape((n,) + (1,) * (x.dim() - 1))  # exact: powers of two
+        self.factor = up.double()
+
+
+def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
+    """Upper bounds (float64, ``[n, T]``) of the norms of the scaled rows ``x_t`` (length ``d``) whose Gram matrix
+    ``fl(x x^T)`` is ``gram`` (``[n, T, T]``, by a kernel with dot-product error ``alpha``): the diagonal is a sum of
+    squares, ``|G_tt - ||x_t||^2| <= alpha ||x_t||^2 + d tiny``; plus ``sqrt(d) tiny`` for the scaling's underflow."""
+    t = tiny(gram.dtype)
+    if alpha >= 1:
+        return torch.full(gram.shape[:2], math.inf, dtype=torch.float64, device=gram.device)
+    diagonal = gram.diagonal(dim1=1, dim2=2).double()
+    return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
+
+
+def sq_norm_upper(x: Tensor) -> Tensor:
+    """Upper bound (float64, shape ``[n]``) of ``||x_i||^2`` for every sample of ``x`` (``[n, ...]``): a sum of squares,
+    no cancellation, so only a relative margin ``gamma`` and the underflow terms. Scaled per sample (no overflow),
+    squares summed along the last dim in the compute dtype and the partial sums in float64. NaN for a sample with a
+    non-finite entry."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    n = x.shape[0]
+    last = x.shape[-1] if x.dim() > 1 else 1
+    rows = math.prod(x.shape[1:]) // last if last else 0
+    if last == 0 or rows == 0:
+        return torch.zeros(n, dtype=torch.float64, device=x.device)
+    if x.dtype == torch.float32 and x.numel() <= FLOAT64_ROUTE_LIMIT:
+        # float32 values squared in float64 are exact and can neither overflow nor underflow: only the float64 sum
+        # of P non-negative terms rounds, within gamma64_P. Fewer, cheaper operations than scaling, at the price of a
+        # float64 copy (hence the size limit)
+        per_sample = rows * last
+        total = x.reshape(n, per_sample).double().square_().sum(dim=1)
+        return total.mul_(F64 / (1.0 - gamma(per_sample, unit_roundoff(torch.float64))))
+    scaled = Scaled(x.reshape(n, rows, last))
+    u, t, u64 = unit_roundoff(x.dtype), tiny(x.dtype), unit_roundoff(torch.float64)
+    partial = scaled.value.square_().sum(dim=2).double()  # [n, rows]: fl of `last` positive terms each
+    # the rows' sum in float64 within gamma64_rows, each row within gamma_last (and 2 last tiny of underflow) of its
+    # exact sum; and the scaling's underflow, each entry off by at most tiny, adds c = sqrt(P) tiny to the norm:
+    # (sqrt(A) + c)^2 <= A (1 + 2^-40) + c^2 (1 + 2^40)
+    relative = F64**3 / ((1.0 - gamma(rows, u64)) * (1.0 - gamma(last, u)))
+    absolute = 2 * rows * last * t * F64**2 / (1.0 - gamma(last, u)) + rows * last * t * t * (1 + 2.0**40)
+    bound = partial.sum(dim=1).mul_(relative).add_(absolute)
+    return with_nan(times(bound, scaled.factor.square(), x.dtype), scaled.finite)
+
+
+def times(bound: Tensor, factor: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``bound * factor`` (float64). For a float64 compute ``dtype`` the factor can overflow: ``0 * inf`` is 0 then.
+    For float32 (factors at most ``2^126``, their squared products ``2^504``) it cannot."""
+    if dtype != torch.float64:
+        return bound * factor
+    return torch.where(bound == 0, 0.0, bound * factor)
+
+
+def with_nan(bound: Tensor, finite: Tensor) -> Tensor:
+    """``bound`` where ``finite``, NaN elsewhere (a non-finite input gives a non-finite norm)."""
+    return torch.where(finite, bound, math.nan)

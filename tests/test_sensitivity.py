@@ -1,0 +1,428 @@
+"""The sensitivity bound against an attacker who crafts one record.
+
+The noise is calibrated to: adding or removing one record moves the clipped sum ``sum_i w_i g_i`` by at most ``C``
+and OSO's direction sum by at most 1. That holds only if the per-sample norm ``N_i`` the weights come from is at
+least the true ``||g_i||``. Each test takes a batch of benign records plus one adversarial record, runs the
+production code (``BookKeeping``, ``private_step``'s weights, and end to end the DP callback through a ``Trainer``),
+and measures the move in float64 against the true per-sample gradients, computed one sample at a time with
+autograd in float64. Adversarial records: positions that nearly cancel (``x`` and ``-(1 - d) x``), a bias whose
+positions cancel after rounding, huge scales (up to the float32 maximum), tiny values, mixed signs, on every layer
+kind of the fast path, found by a small seeded random search plus hand-crafted cases. A finite record must never
+get a non-finite norm (the strategy would refuse the step: a refusal that depends on the data).
+
+Each record is ``(x, v)`` and its loss is ``sum(layer(x) * v)``: the layer's output gradient is ``v`` exactly, in
+float32 and float64 alike, so that the attacker controls both ``a`` and ``b`` of the layer and the true gradient is
+the exact one of the same float32 values.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import lightning.pytorch as L
+import pytest
+import torch
+from conftest import make_trainer
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_oso import private_step
+from lightning_oso.book_keeping import BookKeeping, _Instantiated
+
+CLIP = 0.5
+#: the weights' own rounding: C in float32 and one division, (1 + 2^-24)^2 - 1 < 1e-6
+MARGIN = 1e-6
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+# ----------------------------------------------------------------------------------------------------- layer cases
+@dataclass
+class Case:
+    """A layer, the shape of a record's input ``x`` and of its output gradient ``v``, and how ``x`` is built from
+    ``positions`` (the layer's own input positions ``a_t``) where the attacker works on those."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    x_shape: tuple
+    v_shape: tuple
+    positions: int  # how many positions t the layer sees per record
+    to_x: Callable[[torch.Tensor], torch.Tensor] | None = None  # [T, d] positions -> x (None: x is the positions)
+    integer_input: bool = False
+    normalised: bool = False  # LayerNorm/GroupNorm: the attacker scales v, x only shapes x_hat
+    channels_first: bool = False  # x and v are [C, *spatial] (conv, group norm), else [T, d]
+
+
+def _conv2d_x(kernel, size):
+    """Non-overlapping patches (stride = kernel): positions ``[L, C k k]`` placed exactly by ``fold``."""
+    return lambda p: F.fold(p.t().unsqueeze(0), size, kernel, stride=kernel)[0]
+
+
+def _conv1d_x(kernel, length):
+    return lambda p: F.fold(p.t().unsqueeze(0), (1, length), (1, kernel), stride=(1, kernel))[0, :, 0]
+
+
+CASES = [
+    Case("linear_no_bias", lambda: nn.Linear(16, 24, bias=False), (4, 16), (4, 24), 4),
+    Case("linear_bias", lambda: nn.Linear(16, 24), (4, 16), (4, 24), 4),
+    Case("linear_instantiated", lambda: nn.Linear(4, 3), (8, 4), (8, 3), 8),  # T (d_in + d_out) > d_in d_out
+    Case("conv1d_ghost", lambda: nn.Conv1d(8, 32, 3, stride=3), (8, 6), (32, 2), 2, _conv1d_x(3, 6),
+         channels_first=True),
+    Case("conv1d_grouped", lambda: nn.Conv1d(2, 3, 2, stride=2), (2, 16), (3, 8), 8, _conv1d_x(2, 16),
+         channels_first=True),
+    Case("conv2d_ghost", lambda: nn.Conv2d(4, 32, 2, stride=2), (4, 4, 4), (32, 2, 2), 4, _conv2d_x(2, (4, 4)),
+         channels_first=True),
+    Case("conv2d_grouped", lambda: nn.Conv2d(2, 3, 2, stride=2), (2, 8, 8), (3, 4, 4), 16, _conv2d_x(2, (8, 8)),
+         channels_first=True),
+    Case("embedding", lambda: nn.Embedding(10, 8), (4,), (4, 8), 4, integer_input=True),
+    Case("layer_norm", lambda: nn.LayerNorm(8), (4, 8), (4, 8), 4, normalised=True),
+    Case("group_norm", lambda: nn.GroupNorm(2, 4), (4, 2, 2), (4, 2, 2), 4, normalised=True, channels_first=True),
+]
+BY_NAME = {case.name: case for case in CASES}
+
+
+def _layer(case: Case) -> nn.Module:
+    torch.manual_seed(0)
+    layer = case.make()
+    if case.normalised:  # non-trivial affine parameters
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.uniform_(-1, 1)
+    return layer
+
+
+def _benign(case: Case, n: int = 6):
+    g = torch.Generator().manual_seed(1)
+    if case.integer_input:
+        x = torch.randint(0, 10, (n, *case.x_shape), generator=g)
+    else:
+        x = torch.randn(n, *case.x_shape, generator=g)
+    return x, torch.randn(n, *case.v_shape, generator=g)
+
+
+def _per_position_v(case: Case, v_positions: torch.Tensor) -> torch.Tensor:
+    """``[T, d_out]`` output gradients per position -> the layer's output layout."""
+    if not case.channels_first:  # [T, d]
+        return v_positions
+    return v_positions.t().reshape(case.v_shape)  # conv / group norm: [C, *spatial]
+
+
+# ----------------------------------------------------------------------------------------------------- adversaries
+def cancelling_record(case: Case, scale_a: float, scale_b: float, d: float, seed: int, extra: str = "zeros"):
+    """Positions 0 and 1 cancel: ``a_1 = -(1 - d) a_0`` with equal output gradients (or equal ``a`` and
+    ``b_1 = -(1 - d) b_0`` where the input cannot cancel: embedding indices, normalised inputs). ``extra``: what the
+    other positions hold ("zeros", "small" random, or "mixed" huge/small values of both signs)."""
+    g = torch.Generator().manual_seed(seed)
+    t = case.positions
+    layer = case.make()
+    if case.integer_input:
+        idx = torch.randint(0, 10, (t,), generator=g)
+        idx[1] = idx[0]
+        direction = torch.randn(case.v_shape[1], generator=g) * scale_b
+        v = torch.randn(t, case.v_shape[1], generator=g) * (scale_b if extra == "mixed" else 1e-3)
+        v[0], v[1] = direction, -(1 - d) * direction
+        if extra == "zeros":
+            v[2:] = 0
+        return idx, v
+    d_out = case.v_shape[0] if case.channels_first else case.v_shape[1]
+    if case.normalised:
+        width = case.x_shape[0] if case.channels_first else case.x_shape[-1]
+        rows = torch.randn(t, width, generator=g) * scale_a
+        rows[1] = rows[0]  # the same x_hat at both positions
+        b = torch.randn(t, d_out, generator=g) * (scale_b if extra == "mixed" else 1e-3)
+        direction = torch.randn(d_out, generator=g) * scale_b
+        b[0], b[1] = direction, -(1 - d) * direction
+        if extra == "zeros":
+            b[2:] = 0
+        if not case.channels_first:  # layer norm: [T, d]
+            return rows, b
+        return rows.t().reshape(case.x_shape), b.t().reshape(case.v_shape)
+    d_in = next(layer.parameters()).shape[1] * math.prod(getattr(layer, "kernel_size", (1,)))
+    a = torch.randn(t, d_in, generator=g) * (scale_a if extra == "mixed" else 1e-3 * scale_a)
+    direction = torch.randn(d_in, generator=g) * scale_a
+    a[0], a[1] = direction, -(1 - d) * direction
+    b = torch.randn(t, d_out, generator=g) * (scale_b if extra == "mixed" else 1e-3)
+    b[1] = b[0] = torch.randn(d_out, generator=g) * scale_b
+    if extra == "zeros":
+        a[2:], b[2:] = 0, 0
+    x = case.to_x(a) if case.to_x is not None else a
+    return x, _per_position_v(case, b)
+
+
+def bias_cancelling_record(case: Case, big: float, seed: int):
+    """The bias gradient ``sum_t b_t`` of ``[big v, 1, -big v, ...]`` rounds to 0 in float32, while the true one is
+    ``1``: zero inputs, so the weight gradient is zero and only the bias counts."""
+    g = torch.Generator().manual_seed(seed)
+    d_out = case.v_shape[1]
+    v = torch.zeros(case.positions, d_out)
+    direction = torch.randn(d_out, generator=g).sign() * big
+    v[0], v[1], v[2] = direction, torch.ones(d_out), -direction
+    return torch.zeros(case.x_shape), v
+
+
+# ----------------------------------------------------------------------------------------------------- measurements
+def exact_grads(layer: nn.Module, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The true per-sample gradients, one sample at a time in float64, flattened: ``[n, P]``."""
+    exact = copy.deepcopy(layer).double()
+    rows = []
+    for i in range(x.shape[0]):
+        exact.zero_grad()
+        xi = x[i : i + 1] if x.dtype == torch.long else x[i : i + 1].double()
+        (exact(xi) * v[i : i + 1].double()).sum().backward()
+        rows.append(torch.cat([p.grad.flatten() for p in exact.parameters()]))
+    return torch.stack(rows)
+
+
+def production(layer: nn.Module, x: torch.Tensor, v: torch.Tensor):
+    """Norms and the released (noiseless) clipped and direction sums of the fast path, in float32."""
+    layer.zero_grad()
+    bk = BookKeeping(layer, loss_reduction="sum")
+    (layer(x) * v).sum().backward()
+    norms = bk.norms()
+    weights = private_step.oso_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
+    clip_weights = private_step.clip_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
+    torch.testing.assert_close(weights[:, :1], clip_weights, rtol=0, atol=0, equal_nan=True)
+    kinds = [type(part) for part in bk._compute().values()]
+    sums = bk.weighted_sums(list(layer.parameters()), weights)
+    bk.remove()
+    layer.zero_grad()
+    return norms, weights, torch.cat([s.reshape(2, -1) for s in sums], dim=1), kinds
+
+
+@dataclass
+class Outcome:
+    norm: float  # the production norm of the adversarial record
+    true_norm: float
+    clip_move: float  # the clipped sum's move, true gradients, / C
+    direction_move: float
+    released_move: float  # the released float32 clipped sum's move / C (rounding of the release included)
+
+
+def attack(case: Case, record) -> Outcome:
+    layer = _layer(case)
+    xb, vb = _benign(case)
+    x, v = record
+    x_full, v_full = torch.cat([xb, x.unsqueeze(0).to(xb.dtype)]), torch.cat([vb, v.unsqueeze(0)])
+    norms, weights, released, _ = production(layer, x_full, v_full)
+    norms_without, weights_without, released_without, _ = production(layer, xb, vb)
+    true = exact_grads(layer, x_full, v_full)
+    assert torch.isfinite(true).all(), "the test's record must have a finite true gradient"
+    moves = weights.double().t() @ true - weights_without.double().t() @ true[:-1]  # [2, P]: clipped, direction
+    clip_move, direction_move = moves.norm(dim=1).tolist()
+    released_move = (released[0].double() - released_without[0].double()).norm().item()
+    return Outcome(norms[-1].item(), true[-1].norm().item(), clip_move / CLIP, direction_move, released_move / CLIP)
+
+
+def check(outcome: Outcome, what: str) -> None:
+    assert math.isfinite(outcome.norm), f"{what}: a finite record got the norm {outcome.norm}"
+    assert outcome.norm >= outcome.true_norm, f"{what}: norm {outcome.norm} below the true {outcome.true_norm}"
+    assert outcome.clip_move <= 1 + MARGIN, f"{what}: the clipped sum moved by {outcome.clip_move} C"
+    assert outcome.direction_move <= 1 + MARGIN, f"{what}: the direction sum moved by {outcome.direction_move}"
+    # the released float32 sum: the same, plus its own rounding (relative to the terms summed, not the result)
+    assert outcome.released_move <= 1 + 1e-3, f"{what}: the released clipped sum moved by {outcome.released_move} C"
+
+
+# ----------------------------------------------------------------------------------------------------- the tests
+HAND_CRAFTED = [  # (scale of a, scale of b, d, extra)
+    (1e4, 1.0, 1e-4, "zeros"),
+    (1e5, 1.0, 1e-4, "zeros"),
+    (1e5, 1.0, 2.0**-22, "zeros"),
+    (1.0, 1e4, 2.0**-20, "small"),
+    (1e4, 1e4, 1e-4, "mixed"),
+    (1e-30, 1e-10, 1e-4, "small"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_cancelling_positions_cannot_hide_a_records_norm(case):
+    """Hand-crafted near-cancelling records and a seeded random search over scales (1e-30..1e30 on ``a``, 1e-20..1e20
+    on ``b``), cancellation depths ``d`` and mixed-sign surroundings: no record moves the sums beyond the bound."""
+    g = torch.Generator().manual_seed(7)
+    trials = [(*params, i) for i, params in enumerate(HAND_CRAFTED)]
+    for i in range(12):
+        scale_a = 10.0 ** (torch.rand(1, generator=g).item() * 40 - 20)
+        scale_b = 10.0 ** (torch.rand(1, generator=g).item() * 20 - 10)
+        d = 10.0 ** -(torch.randint(1, 8, (1,), generator=g).item())
+        extra = ["zeros", "small", "mixed"][i % 3]
+        trials.append((scale_a, scale_b, d, extra, 100 + i))
+    worst = 0.0
+    for scale_a, scale_b, d, extra, seed in trials:
+        outcome = attack(case, cancelling_record(case, scale_a, scale_b, d, seed, extra))
+        check(outcome, f"{case.name} a~{scale_a:.1e} b~{scale_b:.1e} d={d:.1e} {extra}")
+        worst = max(worst, outcome.clip_move)
+    assert worst > 0.5  # the search reaches clipped records, where the bound is tight
+
+
+@pytest.mark.parametrize("case", [BY_NAME["linear_bias"], BY_NAME["linear_instantiated"]], ids=lambda c: c.name)
+def test_bias_that_cancels_in_rounding(case):
+    """``[1e8 v, 1, -1e8 v]``: the float32 bias sum is 0, the true one has norm ``sqrt(d_out)``."""
+    for big in (1e8, 1e12, 3e30):
+        check(attack(case, bias_cancelling_record(case, big, seed=3)), f"{case.name} bias big={big:.0e}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("scale", [1e20, 1e30, 1e36, "max"])
+def test_huge_finite_record_gets_a_finite_norm(case, scale):
+    """Values that overflow the float32 Gram products and squares (``1e20`` squared is beyond float32) but whose
+    true gradient is well inside float32: a finite norm, still an upper bound, and the sums stay within the bound
+    (and finite). ``"max"``: one input entry at the float32 maximum (output gradient ``1e-3``)."""
+    if case.normalised:  # x is normalised away: the output gradient carries the scale
+        scale_a, scale_b = 1.0, (1e34 if scale == "max" else scale)
+    elif scale == "max":
+        scale_a, scale_b = FLOAT32_MAX, 1e-3
+    else:
+        scale_a, scale_b = scale, 1.0 / math.sqrt(scale)
+    if case.integer_input:
+        scale_b = 1e34 if scale == "max" else scale
+    record = cancelling_record(case, 1.0, scale_b, 0.5, seed=11, extra="small")
+    if not case.integer_input and not case.normalised:
+        x, v = record
+        x = torch.zeros_like(x)
+        flat = x.reshape(-1)
+        flat[0] = scale_a  # one huge entry (a finite layer output needs the rest of its position small)
+        flat[-1] = -scale_a / 3
+        record = (x, v)
+    layer = _layer(case)
+    xb, vb = _benign(case)
+    x, v = record
+    x_full, v_full = torch.cat([xb, x.unsqueeze(0).to(xb.dtype)]), torch.cat([vb, v.unsqueeze(0)])
+    norms, _, released, _ = production(layer, x_full, v_full)
+    assert torch.isfinite(norms).all(), f"{case.name}: norms {norms.tolist()}"
+    assert torch.isfinite(released).all()
+    check(attack(case, record), f"{case.name} huge {scale}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_tiny_record_norm_is_not_rounded_to_zero(case):
+    """Values whose squares underflow float32: the norm stays an upper bound (not 0)."""
+    scale_a = 1.0 if case.normalised or case.integer_input else 1e-20
+    outcome = attack(case, cancelling_record(case, scale_a, 1e-25, 0.5, seed=5, extra="zeros"))
+    assert outcome.true_norm > 0
+    check(outcome, f"{case.name} tiny")
+
+
+def test_cases_reach_both_conv_branches_and_instantiation():
+    """The cases exercise what they are named after (ghost/unfold, grouped convolution, instantiated Linear)."""
+    for name, instantiated in [("conv1d_ghost", False), ("conv2d_ghost", False), ("conv1d_grouped", True),
+                               ("conv2d_grouped", True), ("linear_no_bias", False)]:
+        case = BY_NAME[name]
+        *_, kinds = production(_layer(case), *_benign(case))
+        assert (kinds[0] is _Instantiated) == instantiated, name
+    layer = _layer(BY_NAME["linear_instantiated"])
+    bk = BookKeeping(layer, loss_reduction="sum")
+    x, v = _benign(BY_NAME["linear_instantiated"])
+    (layer(x) * v).sum().backward()
+    assert not bk._compute()[layer].ghost
+    bk.remove()
+
+
+# ----------------------------------------------------------------------------------------------------- hooks path
+def test_hooks_path_norms_are_upper_bounds_and_finite():
+    """``private_step.per_sample_norms`` (the hooks path): per-sample gradients with entries whose squares overflow
+    or underflow float32, and ordinary ones: every norm is finite, at least the exact norm of the given tensors, and
+    the released sums move by at most ``C`` and 1."""
+    g = torch.Generator().manual_seed(2)
+    benign = [torch.randn(5, 3, 4, generator=g), torch.randn(5, 6, generator=g)]
+    clip = torch.tensor(CLIP)
+    for scale in (1e-30, 1e-20, 1.0, 1e20, 1e30, 1e37):
+        extra = [torch.randn(1, 3, 4, generator=g) * scale, torch.randn(1, 6, generator=g) * scale]
+        samples = [torch.cat([b, e]) for b, e in zip(benign, extra)]
+        norms = private_step.per_sample_norms(samples)
+        exact = torch.cat([s.double().flatten(1) for s in samples], dim=1).norm(dim=1)
+        assert torch.isfinite(norms).all(), f"scale {scale}: {norms.tolist()}"
+        assert (norms.double() >= exact).all(), f"scale {scale}: {norms.tolist()} below {exact.tolist()}"
+        weights = private_step.oso_weights(norms, clip)
+        weights_without = private_step.oso_weights(private_step.per_sample_norms(benign), clip)
+        full = private_step.weighted_sums([s.double() for s in samples], weights.double())
+        without = private_step.weighted_sums([s.double() for s in benign], weights_without.double())
+        moves = torch.cat([(a - b).flatten(1) for a, b in zip(full, without)], dim=1).norm(dim=1)
+        assert moves[0] <= CLIP * (1 + MARGIN) and moves[1] <= 1 + MARGIN
+    # a norm beyond float32's range (finite entries near the maximum) has no finite float32 upper bound: inf, not NaN
+    assert private_step.per_sample_norms([torch.full((1, 4), FLOAT32_MAX)]).item() == math.inf
+
+
+def test_hooks_path_non_finite_gradient_still_has_a_non_finite_norm():
+    for bad in (math.nan, math.inf, -math.inf):
+        samples = [torch.ones(3, 4), torch.ones(3, 2)]
+        samples[1][1, 0] = bad
+        norms = private_step.per_sample_norms(samples)
+        assert torch.isfinite(norms[[0, 2]]).all() and not torch.isfinite(norms[1])
+
+
+def test_fast_path_non_finite_gradient_still_has_a_non_finite_norm():
+    """A NaN/inf in a record's input or output gradient: a non-finite norm (the strategy refuses such a step)."""
+    for case in CASES:
+        for where in ("x", "v"):
+            if where == "x" and case.integer_input:
+                continue
+            layer = _layer(case)
+            x, v = _benign(case)
+            (x if where == "x" else v).view(x.shape[0] if where == "x" else v.shape[0], -1)[2, 0] = math.nan
+            norms, *_ = production(layer, x, v)
+            assert not torch.isfinite(norms[2]), f"{case.name} NaN in {where}"
+            assert torch.isfinite(norms[[0, 1, 3]]).all(), case.name
+
+
+# ----------------------------------------------------------------------------------------------------- end to end
+class SequenceModule(L.LightningModule):
+    """A bias-free Linear on sequences; each record ``(x, v)`` has the loss ``sum(linear(x) * v)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 24, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, v = batch
+        return (self.linear(x) * v).sum(dim=(1, 2)).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _released_through_trainer(monkeypatch, x, v, mode):
+    """One OSO step with the noise switched off (a test-only hook, as in test_audit) and every record in the batch
+    (a batch as large as the dataset samples at rate 1): the released sums, times the expected batch size."""
+    from lightning_oso import OSODP
+    from lightning_oso.strategy import PrivateTraining
+
+    monkeypatch.setattr(PrivateTraining, "add_noise", lambda self, sums, stds: sums)
+    captured = {}
+    original = PrivateTraining.privatise
+
+    def spy(self, optimizer):
+        sanitised, scalars = original(self, optimizer)
+        captured["sums"] = torch.cat([s.reshape(s.shape[0], -1) for s in sanitised], dim=1) * self.expected_batch_size
+        return sanitised, scalars
+
+    monkeypatch.setattr(PrivateTraining, "privatise", spy)
+    torch.manual_seed(0)
+    module = SequenceModule()
+    dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, initial_clip=CLIP,
+               grad_sample_mode=mode)
+    make_trainer([dp], max_steps=1).fit(module, DataLoader(TensorDataset(x, v), batch_size=len(x)))
+    assert dp.steps == 1
+    return captured["sums"].double()
+
+
+@pytest.mark.parametrize(
+    "mode, scale_a, scale_b, d",
+    [("book_keeping", 1e5, 1.0, 1e-4), ("book_keeping", 1e4, 10.0, 2.0**-21), ("book_keeping", 1e30, 1e-20, 1e-4),
+     ("hooks", 1e30, 1e-10, 1e-4)],
+)
+def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(monkeypatch, mode, scale_a, scale_b,
+                                                                               d):
+    """End to end: the released (noiseless) clipped and direction sums of a batch with and without the
+    adversarial record differ by at most ``C`` and 1, up to the release's float32 rounding; the step is not refused
+    (also for the huge records, whose Gram products, or per-sample gradients' squares, overflow float32)."""
+    case = Case("seq", lambda: nn.Linear(16, 24, bias=False), (4, 16), (4, 24), 4)
+    g = torch.Generator().manual_seed(4)
+    xb, vb = torch.randn(7, 4, 16, generator=g), torch.randn(7, 4, 24, generator=g)
+    x, v = cancelling_record(case, scale_a, scale_b, d, seed=9, extra="small")
+    with_record = _released_through_trainer(monkeypatch, torch.cat([xb, x[None]]), torch.cat([vb, v[None]]), mode)
+    without = _released_through_trainer(monkeypatch, xb, vb, mode)
+    assert torch.isfinite(with_record).all()
+    moves = (with_record - without).norm(dim=1)
+    assert moves[0] <= CLIP * (1 + 1e-3) and moves[1] <= 1 + 1e-3, moves.tolist()
