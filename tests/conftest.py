@@ -69,3 +69,25 @@ def _in_tmp_dir(tmp_path, monkeypatch):
     """Every test runs in its own directory: trainers write their logs and privacy ledgers under the working
     directory (their default_root_dir), never into the repository."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _reproducible_default_streams(request, monkeypatch):
+    """A DP callback or search given no seed draws its root from the operating system (production behaviour, so no
+    two runs share noise). Tests assert statistical properties of whole runs, so here a run without a seed gets a
+    root fixed per test instead (as ``seed_everything`` fixed torch's global generator before): a failure then
+    reproduces. Resume nonces (``randomness.os_nonce``) and ``secure_rng`` still come from the OS."""
+    import zlib
+
+    import numpy as np
+
+    from lightning_oso import callbacks, linear_scaling, randomness, search
+
+    original = randomness.root_seed_sequence
+    test_key = zlib.crc32(request.node.nodeid.encode())
+
+    def fixed_for_this_test(seed):
+        return original(np.random.SeedSequence(1234, spawn_key=(test_key,)) if seed is None else seed)
+
+    for module in (randomness, callbacks, search, linear_scaling):
+        monkeypatch.setattr(module, "root_seed_sequence", fixed_for_this_test)
