@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_oso import _compat
 from lightning_oso.accounting import (
     ACCOUNTANTS,
     DEFAULT_DIRECTION_NOISE_RATIO,
@@ -293,7 +294,7 @@ class DPCallback(Callback):
             # The callback alone suffices on one device: take over the plain strategy (same device, accelerator,
             # precision and checkpoint IO) before the trainer sets it up.
             dp_strategy = DPStrategy.from_single_device(strategy)
-            trainer._accelerator_connector.strategy = dp_strategy
+            _compat.replace_strategy(trainer, dp_strategy)
             return dp_strategy
         if isinstance(strategy, DDPStrategy):
             raise PrivacyConfigurationError(
@@ -513,7 +514,7 @@ class DPCallback(Callback):
         pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)
         for name, value in self.rule.step_metrics().items():
             pl_module.log(f"dp/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)
-        if trainer._logger_connector.should_update_logs or self.accountant.steps >= self.max_steps:
+        if _compat.logs_this_step(trainer) or self.accountant.steps >= self.max_steps:
             # epsilon costs an accountant evaluation: computed when a logger will record it
             pl_module.log("dp/epsilon", self.epsilon, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
         if self.log_nonprivate_diagnostics and self._strategy.diagnostics:

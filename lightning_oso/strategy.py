@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor
 
-from lightning_oso import checks, private_step
+from lightning_oso import _compat, checks, private_step
 from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
 from lightning_oso.randomness import NOISE, RunRandomness
@@ -296,8 +296,8 @@ class DPStrategy(PrivateTraining, SingleDeviceStrategy):
         new = cls(
             device=strategy.root_device,
             accelerator=strategy.accelerator,
-            checkpoint_io=strategy._checkpoint_io,
-            precision_plugin=strategy._precision_plugin,
+            checkpoint_io=_compat.checkpoint_io(strategy),
+            precision_plugin=_compat.precision_plugin(strategy),
         )
         if strategy.lightning_module is not None:
             new.connect(strategy.lightning_module)
