@@ -23,15 +23,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_oso import _compat
+from lightning_oso import _compat, planning
 from lightning_oso.accounting import (
     ACCOUNTANTS,
     DEFAULT_DIRECTION_NOISE_RATIO,
     PrivacyAccountant,
-    calibrate_noise_multiplier,
-    compute_epsilon,
-    largest_fitting_steps,
-    max_steps_within_budget,
 )
 from lightning_oso.clipping import (
     ClippingRule,
@@ -226,6 +222,19 @@ class DPCallback(Callback):
     def initial_clip(self) -> float:
         raise NotImplementedError
 
+    def plan(self, sample_rate: float, remaining_steps: float, limit: int) -> tuple[float, int]:
+        """This fit's privacy plan, called once when training starts: ``(nu, allowed)``, the noise multiplier of
+        its first step and how many more steps (at most ``limit``) the budget allows after the accountant's history.
+
+        Default: one ``nu`` for the whole fit (the requested one, the checkpoint's on a resume with the same budget
+        and sample rate, or calibrated for the ``remaining_steps`` the trainer plans; ``planning``), and the steps
+        at ``(nu, sample_rate)`` that fit the budget. A method whose noise follows a schedule overrides it (``PURDP``).
+        """
+        noise = self._resolve_noise_multiplier(sample_rate, remaining_steps)
+        allowed = planning.steps_within_budget(noise, sample_rate, self.target_epsilon, self.target_delta,
+                                               self.accountant.accountant, self.accountant.history, limit)
+        return noise, allowed
+
     # ------------------------------------------------------------------ public state
     @property
     def noise_multiplier(self) -> float | None:
@@ -403,19 +412,15 @@ class DPCallback(Callback):
                 "records): a mechanism that publishes one random record meets such a delta. Use delta << 1/N."
             )
         planned = trainer.estimated_stepping_batches
-        noise = self._resolve_noise_multiplier(q, planned - trainer.global_step)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
         taken = self.accountant.steps
-        allowed = self._steps_within_budget(noise, q, limit)
+        noise, allowed = self.plan(q, planned - trainer.global_step, limit)
         self.max_steps = taken + allowed
         if allowed < 1:
-            if taken:
-                raise self._budget_spent()
-            raise PrivacyConfigurationError(
-                f"the budget epsilon={self.target_epsilon}, delta={self.target_delta} does not allow a single step "
-                f"at noise multiplier {noise:.4g} and sample rate {q:.4g}; raise the budget or the noise multiplier"
-            )
-        self._check_min_steps(trainer, allowed)
+            raise planning.no_step_allowed(taken, lambda: self.epsilon, noise, q, self.target_epsilon,
+                                           self.target_delta)
+        planning.check_min_steps(trainer.fit_loop.min_steps or 0, trainer.fit_loop.min_epochs or 0,
+                                 trainer.num_training_batches, trainer.global_step, allowed)
         try:
             self.rule = self.make_rule(noise, strategy.expected_batch_size)
         except ValueError as err:
@@ -438,13 +443,6 @@ class DPCallback(Callback):
             "steps" + (f" after the {taken} in the accountant's history" if taken else "")
         )
 
-    def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
-        """How many more steps at ``noise_multiplier`` the budget allows after the accountant's history."""
-        return max_steps_within_budget(
-            noise_multiplier, sample_rate, self.target_epsilon, self.target_delta, self.accountant.accountant,
-            prior_history=[tuple(s) for s in self.accountant.history], limit=limit,
-        )
-
     def _resolve_noise_multiplier(self, sample_rate: float, remaining_steps: float) -> float:
         """``nu`` of this fit: the requested one; on a resume with the checkpoint's budget and sample rate, the
         checkpoint's (the uninterrupted run's plan); otherwise calibrated so that the accountant's history and the
@@ -453,7 +451,7 @@ class DPCallback(Callback):
             return self.requested_noise_multiplier
         if self._restored is not None:
             saved, mine = self._restored["config"], self._config(sample_rate)
-            changed = [key for key in _PLAN_KEYS if not _same(saved.get(key), mine[key])]
+            changed = planning.changed_plan_settings(saved, mine)
             if not changed:
                 return saved["noise_multiplier"]
             rank_zero_info(
@@ -462,39 +460,10 @@ class DPCallback(Callback):
                 + f"); the composition continues over the {self.accountant.steps} steps taken, and the noise is "
                 "calibrated anew for the steps the trainer still plans"
             )
-        if not math.isfinite(remaining_steps):
-            raise PrivacyConfigurationError(
-                f"{type(self).__name__}(target_epsilon=...) calibrates the noise for a planned number of steps, but "
-                "the trainer has none (max_epochs=-1 and max_steps=-1): set max_epochs or max_steps, or pass "
-                "noise_multiplier to train until the budget is spent"
-            )
-        try:
-            return calibrate_noise_multiplier(
-                self.target_epsilon, self.target_delta, sample_rate, max(1, int(remaining_steps)),
-                self.accountant.accountant, prior_history=[tuple(s) for s in self.accountant.history],
-            )
-        except ValueError as err:
-            if self.accountant.steps and self.epsilon >= self.target_epsilon:
-                raise self._budget_spent() from err
-            raise PrivacyConfigurationError(str(err)) from err
-
-    def _budget_spent(self) -> PrivacyConfigurationError:
-        return PrivacyConfigurationError(
-            f"the privacy budget is already spent ({self.accountant.steps} steps taken, epsilon={self.epsilon:.4g} of "
-            f"{self.target_epsilon} at delta={self.target_delta}); this run cannot train further. Plan the horizon "
-            "with max_epochs/max_steps when the noise is calibrated, or pass a larger noise_multiplier (or a larger "
-            "target_epsilon: the composition then continues over every step taken)"
+        return planning.calibrated_noise_multiplier(
+            type(self).__name__, self.target_epsilon, self.target_delta, sample_rate, remaining_steps,
+            self.accountant.accountant, self.accountant.history, lambda: self.epsilon,
         )
-
-    def _check_min_steps(self, trainer: Trainer, allowed: int) -> None:
-        min_steps = trainer.fit_loop.min_steps or 0
-        min_epochs = trainer.fit_loop.min_epochs or 0
-        needed = max(min_steps, min_epochs * trainer.num_training_batches) - trainer.global_step
-        if needed > allowed:
-            raise PrivacyConfigurationError(
-                f"the trainer must run at least {needed} steps (min_epochs/min_steps), but the privacy budget allows "
-                f"{allowed}; lower min_epochs/min_steps or raise the budget"
-            )
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -591,14 +560,6 @@ class DPCallback(Callback):
         self._sessions = state_dict["sessions"]
         self._restored = dict(state_dict)
 
-
-
-#: The settings whose change on a resume makes the noise be calibrated anew.
-_PLAN_KEYS = ("target_epsilon", "target_delta", "accountant", "sample_rate")
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b))
 
 
 @_document_shared_args
@@ -922,33 +883,25 @@ class PURDP(DPCallback):
     def _config(self, sample_rate: float | None) -> dict:
         return {**super()._config(sample_rate), "schedule": repr(self.schedule), "lipschitz": self.lipschitz}
 
-    def _resolve_noise_multiplier(self, sample_rate: float, planned_steps: float) -> float:
+    def plan(self, sample_rate: float, remaining_steps: float, limit: int) -> tuple[float, int]:
+        """The schedule decides: ``nu`` of step ``t`` is ``sigma_t`` over the sensitivity ``2L/N``, from where the
+        checkpoint left off; the budget allows the steps whose composed schedule fits it."""
         if sample_rate < 1.0:
             raise PrivacyConfigurationError(
                 f"PURDP runs full-batch gradient descent, but the training loader samples at rate {sample_rate:.4g}: "
                 "build it with DataLoader(dataset, batch_size=len(dataset))"
             )
-        return gaussian_multiplier(self.schedule.noise_std(self._first_step), self.lipschitz,
-                                   self._strategy.num_samples)
+        first, n = self._first_step, self._strategy.num_samples
 
-    def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
-        first = self._first_step
-        prior = [tuple(s) for s in self.accountant.history]
-        n = self._strategy.num_samples
+        def multiplier_at(t: int) -> float:
+            return gaussian_multiplier(self.schedule.noise_std(t), self.lipschitz, n)
 
-        precisions = [0.0]  # prefix sums of 1/nu_t^2 from step `first` on
-
-        def fits(steps: int) -> bool:
-            while len(precisions) <= steps:
-                nu = gaussian_multiplier(self.schedule.noise_std(first + len(precisions) - 1), self.lipschitz, n)
-                precisions.append(precisions[-1] + nu**-2)
-            # full-batch Gaussian steps compose exactly into one (accounting._normalise does the same merge), so the
-            # prefix sum stands for the whole schedule: no history of `steps` segments per evaluation
-            scheduled = [(precisions[steps] ** -0.5, 1.0, 1)] if steps else []
-            spent = compute_epsilon(prior + scheduled, self.target_delta, self.accountant.accountant)
-            return spent <= self.target_epsilon
-
-        return largest_fitting_steps(fits, limit)  # the cost per step only grows
+        scheduled = planning.full_batch_schedule(multiplier_at, first)
+        allowed = planning.scheduled_steps_within_budget(  # the cost per step only grows
+            scheduled, self.target_epsilon, self.target_delta, self.accountant.accountant, self.accountant.history,
+            limit,
+        )
+        return multiplier_at(first), allowed
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
         return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples,
