@@ -22,6 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_oso import _compat, planning
 from lightning_oso.accounting import (
@@ -271,6 +272,7 @@ class DPCallback(Callback):
         return self._epsilon_cache[1]
 
     @property
+    @override
     def state_key(self) -> str:
         # One key for every DP callback and every setting: a resume with another target, delta or method still
         # finds the checkpoint's privacy state (Lightning would skip a state saved under another key, and with it
@@ -278,6 +280,7 @@ class DPCallback(Callback):
         return "lightning_oso.DPCallback"
 
     # ------------------------------------------------------------------ wiring
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -318,6 +321,7 @@ class DPCallback(Callback):
             "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) for several processes (DDP)."
         )
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         validate_model(pl_module)
         validate_optimization(pl_module, trainer.optimizers)
@@ -401,6 +405,7 @@ class DPCallback(Callback):
         """``(nu, q)`` of the step being released (captured when the batch started)."""
         return self._step_noise_multiplier, self._strategy.sample_rate
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy
         q, num_samples = strategy.sample_rate, strategy.num_samples
@@ -466,6 +471,7 @@ class DPCallback(Callback):
         )
 
     # ------------------------------------------------------------------ per step
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_noise_multiplier = self.rule.noise_multiplier  # what this step's mechanism is accounted with
         if self.accountant.steps >= self.max_steps:
@@ -474,6 +480,7 @@ class DPCallback(Callback):
                 f"refusing private step {self.accountant.steps + 1}: the budget allows {self.max_steps} steps"
             )
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -501,6 +508,7 @@ class DPCallback(Callback):
                 )
                 rank_zero_info(f"{type(self).__name__}: stopping training. Reason: {self.stop_reason}")
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         epsilon = self.epsilon
         for logger in trainer.loggers:
@@ -511,6 +519,7 @@ class DPCallback(Callback):
             + (f"; stopped early: {self.stop_reason}" if self.stop_reason else "")
         )
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self._strategy is not None:
             self._strategy.detach_hooks()
@@ -527,6 +536,7 @@ class DPCallback(Callback):
             "sample_rate": sample_rate,
         }
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: the settings, the accountant's history, the rule's state (``C_t``, ...), and where
         the run's ledger is. No seed and no generator state: a resume draws its streams anew from the callback's
@@ -541,6 +551,7 @@ class DPCallback(Callback):
             "sessions": self._sessions,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint, in one place: the history is taken over at once, whatever this callback's targets
         (so even a finished checkpoint reports what it spent); the steps its ledger holds beyond it are charged
