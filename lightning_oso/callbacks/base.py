@@ -1,11 +1,7 @@
-"""The DP callbacks: arguments and their validation, wiring into the trainer, accounting, budget stop, logging,
-and the state that must survive a resume. The maths lives in ``accounting``, ``clipping`` and ``private_step``;
-the per-step mechanics in ``strategy.DPStrategy``.
-
-:class:`DPCallback` holds everything the methods share; each method is a thin subclass that says which clipping
-rule it runs and which optimizers it has an analysis for: :class:`OSODP` (spec section 1),
-:class:`FixedThresholdDP` (section 2; with :class:`~lightning_oso.DPAdamWOSM` or ``torch.optim.Adam``, section 4) and
-:class:`FixedQuantileDP` (section 3).
+"""DPCallback: what every DP method shares (arguments and their validation, wiring into the trainer, the
+ledger, accounting, budget stop, logging, and the state that must survive a resume), and the text of the shared
+arguments each method's docstring carries. The planning (noise calibration, step budget) is ``planning``; the
+private Lightning attributes it needs are ``_compat``.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -25,27 +20,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_oso import _compat, planning
-from lightning_oso.accounting import (
-    ACCOUNTANTS,
-    DEFAULT_DIRECTION_NOISE_RATIO,
-    PrivacyAccountant,
-)
-from lightning_oso.clipping import (
-    ClippingRule,
-    FixedQuantileClipping,
-    FixedThresholdClipping,
-    OSOClipping,
-    ScheduledNoiseClipping,
-)
+from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
+from lightning_oso.clipping import ClippingRule
 from lightning_oso.ledger import LedgerError, PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
-from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.randomness import RunRandomness, os_nonce, root_seed_sequence
-from lightning_oso.schedules import PURSchedule, gaussian_multiplier
+from lightning_oso.randomness import RunRandomness, os_nonce
 from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     PrivacyConfigurationError,
     check_budget_arguments,
-    check_number,
     validate_model,
     validate_optimization,
     validate_trainer,
@@ -287,7 +269,10 @@ class DPCallback(Callback):
         validate_trainer(trainer)
         self._strategy = self._install_strategy(trainer)
         if self._randomness is None:  # one root per run, kept across its fits; the processes share rank 0's
-            root = None if self.secure_rng else trainer.strategy.broadcast(root_seed_sequence(self.seed))
+            # looked up on the package, so that patching lightning_oso.callbacks.root_seed_sequence takes effect
+            from lightning_oso import callbacks
+
+            root = None if self.secure_rng else trainer.strategy.broadcast(callbacks.root_seed_sequence(self.seed))
             self._randomness = RunRandomness(root, secure=self.secure_rng)
         self._strategy.configure_privacy(self._randomness, loss_reduction=self.loss_reduction,
                                          grad_sample_mode=self.grad_sample_mode)
@@ -570,365 +555,3 @@ class DPCallback(Callback):
         self._checkpoint_ledger = state_dict["ledger"]["path"]
         self._sessions = state_dict["sessions"]
         self._restored = dict(state_dict)
-
-
-
-@_document_shared_args
-class OSODP(DPCallback):
-    r"""Train with OSO-DPSGD: differentially private SGD whose clipping threshold ``C_t`` and learning rate
-    ``rho_t`` are learned online from sanitised gradients (Galli et al., "Online Sensitivity Optimization in
-    Differentially Private Learning"; spec ``algorithms.md`` section 1).
-
-    Everything of :class:`DPCallback` (Poisson sampling, accounting, budget stop, logging, resume) plus the OSO
-    rule: a second, direction query splits the noise by Proposition 1 (``dp/direction_noise_multiplier`` is
-    logged), and ``rho_t`` multiplies every parameter group's learning rate. SGD with or without momentum only.
-
-    Args:
-        {shared}
-        initial_clip: ``C_0`` (paper default 0.1).
-        clip_lr: ``rho_c``, the step of the exponential update of ``C_t`` (paper default 2.5e-3).
-        lr_lr: ``rho_r``, the step of the exponential update of the learning rate (paper default 2.5e-3).
-        direction_noise_ratio: ``nu_q / nu`` (Proposition 1; default 7.124, i.e. ``nu_g = 1.01 nu``).
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts for
-            a model, optimizer or trainer setting that cannot be made private: the message names the fix.
-
-    Example::
-
-        import lightning.pytorch as L
-        from lightning_oso import OSODP
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[OSODP(target_epsilon=3.0, target_delta=1e-5)])
-        trainer.fit(model, datamodule)  # any LightningModule whose optimizer is torch.optim.SGD
-    """
-
-    method = "OSO"
-    adapts_learning_rate = True
-
-    def __init__(
-        self,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        initial_clip: float = 0.1,
-        clip_lr: float = 2.5e-3,
-        lr_lr: float = 2.5e-3,
-        direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
-        self.clip_lr = check_number("clip_lr", clip_lr)
-        self.lr_lr = check_number("lr_lr", lr_lr)
-        if isinstance(direction_noise_ratio, bool) or not isinstance(direction_noise_ratio, (int, float)) or not (
-            direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio)
-        ):
-            raise PrivacyConfigurationError(
-                f"direction_noise_ratio (nu_q / nu) must be a finite number > 1, got {direction_noise_ratio!r}"
-            )
-        self.direction_noise_ratio = float(direction_noise_ratio)
-
-    @property
-    def initial_clip(self) -> float:
-        return self._initial_clip
-
-    @property
-    def direction_noise_multiplier(self) -> float | None:
-        """``nu_q``: noise of the direction sum (sensitivity 1)."""
-        return self.rule.direction_noise_multiplier if self.rule is not None else None
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> OSOClipping:
-        return OSOClipping(noise_multiplier, self._initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise PrivacyConfigurationError(
-                f"OSO has a derivation for SGD (with or without momentum) only, got {type(optimizer).__name__}. "
-                "For Adam the derivative of the update with respect to C_t is no longer a sum of unit vectors, so the "
-                "direction query loses its unit sensitivity and the OSO paper gives no analysis. Use torch.optim.SGD, "
-                "or FixedThresholdDP for other optimizers."
-            )
-
-
-
-@_document_shared_args
-class FixedThresholdDP(DPCallback):
-    r"""Train with fixed-threshold DP-SGD (Abadi et al. 2016; spec section 2): every per-sample gradient is clipped
-    to norm ``clip`` and the sum gets Gaussian noise ``N(0, (clip nu)^2 I)``.
-
-    Any torch optimizer post-processes the sanitised gradient, so this is also DPAdam (``torch.optim.Adam``) and,
-    with :class:`~lightning_oso.DPAdamWOSM`, DPAdamWOSM (spec section 4): its ``gradient_noise_std`` is set here to
-    ``nu * clip / B`` when training starts, unless given.
-
-    Args:
-        {shared}
-        clip: the clipping threshold ``C`` (required; no default fits every model).
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts.
-
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[FixedThresholdDP(target_epsilon=3.0, clip=1.0)])
-        trainer.fit(model, datamodule)  # SGD, Adam, DPAdamWOSM, ...
-    """
-
-    method = "FixedThreshold"
-
-    def __init__(
-        self,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        clip: float | None = None,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        self._clip = check_number("clip", clip, positive=True)
-
-    @property
-    def initial_clip(self) -> float:
-        return self._clip
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedThresholdClipping:
-        return FixedThresholdClipping(noise_multiplier, self._clip)
-
-    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
-        if isinstance(optimizer, DPAdamWOSM):
-            # Theorem 3: the per-coordinate std of the noise in the averaged gradient, nu C / B
-            noise_std = rule.gradient_noise_multiplier * self._clip / self._strategy.expected_batch_size
-            given = {group["gradient_noise_std"] for group in optimizer.param_groups} - {None}
-            if not given:
-                optimizer.set_gradient_noise_std(noise_std)
-            elif any(not math.isclose(value, noise_std, rel_tol=1e-6) for value in given):
-                rank_zero_warn(
-                    f"DPAdamWOSM was given gradient_noise_std={sorted(given)}, but this run's noise has std "
-                    f"nu*C/B = {noise_std:.4g}; the given value is kept (it only rescales the step size)"
-                )
-
-
-
-@_document_shared_args
-class FixedQuantileDP(DPCallback):
-    r"""Train with quantile-based adaptive clipping (Andrew et al. 2021), as run in the OSO paper (spec section 3):
-    ``C_t`` follows the ``target_quantile`` of the per-sample gradient norms, learned from a noisy centred count.
-
-    Per step the count of unclipped samples is released with noise ``sigma_b`` (``count_noise_std``), and the
-    clipped-gradient noise is raised to ``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` so that both together cost one
-    Gaussian mechanism with multiplier ``nu``. Any optimizer except DPAdamWOSM (whose step size assumes a constant
-    ``C``).
-
-    Args:
-        {shared}
-        target_quantile: ``gamma`` in (0, 1), the fraction of samples left unclipped (the paper's grid:
-            0.1, 0.3, 0.5, 0.7, 0.9).
-        initial_clip: ``C_0`` (default 0.1, as in the OSO paper's runs).
-        clip_lr: ``eta_C``, the step of the geometric update of ``C_t`` (default 0.2).
-        count_noise_std: ``sigma_b``; ``None`` (default): ``B / 20`` with ``B`` the expected batch size, as in the
-            OSO paper's runs. Must exceed ``nu / 2``.
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts (also
-            when ``nu >= 2 sigma_b``: the count would need the whole budget).
-
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[FixedQuantileDP(target_epsilon=3.0, target_quantile=0.5)])
-        trainer.fit(model, datamodule)
-    """
-
-    method = "FixedQuantile"
-
-    def __init__(
-        self,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        target_quantile: float = 0.5,
-        initial_clip: float = 0.1,
-        clip_lr: float = 0.2,
-        count_noise_std: float | None = None,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        target_quantile = check_number("target_quantile", target_quantile, positive=True)
-        if not target_quantile < 1:
-            raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")
-        self.target_quantile = target_quantile
-        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
-        self.clip_lr = check_number("clip_lr", clip_lr)
-        self.requested_count_noise_std = (
-            None if count_noise_std is None else check_number("count_noise_std", count_noise_std, positive=True)
-        )
-
-    @property
-    def initial_clip(self) -> float:
-        return self._initial_clip
-
-    @property
-    def count_noise_std(self) -> float | None:
-        """``sigma_b``, the noise of the centred count (known once training starts, if not given)."""
-        return self.rule.count_noise_std if self.rule is not None else self.requested_count_noise_std
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedQuantileClipping:
-        count_noise_std = self.requested_count_noise_std or expected_batch_size / 20.0
-        return FixedQuantileClipping(
-            noise_multiplier, self.target_quantile, count_noise_std, self._initial_clip, self.clip_lr
-        )
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(optimizer, DPAdamWOSM):
-            raise PrivacyConfigurationError(
-                "DPAdamWOSM's step size lr / (nu C / B + eps) assumes a constant clipping threshold C; the quantile "
-                "rule moves C_t every step. Use FixedThresholdDP with DPAdamWOSM, or SGD/Adam with FixedQuantileDP."
-            )
-
-
-
-
-class PURDP(DPCallback):
-    r"""Full-batch noisy gradient descent with a PUR noise schedule (Fay et al.; spec section 6): step ``t`` adds
-    ``N(0, sigma_t^2 I)`` to the mean gradient with the data-independent ``sigma_t`` of Proposition 3, and the
-    step size is ``1/(2M)``. The budget decides the number of steps: training stops before the step that would
-    push epsilon over ``target_epsilon``.
-
-    Every batch is the whole training set (build the loader with ``batch_size >= len(dataset)``). Per-example
-    gradients are clipped at ``lipschitz`` (``L``): under the schedule's assumption that the loss is
-    ``L``-Lipschitz nothing is clipped; where it is not, the clipping keeps the sensitivity ``2L/N``. Epsilon is
-    reported under replace-one adjacency, as in the paper (it also bounds add/remove). ``dp/noise_std``
-    (``sigma_t``) is logged every step, with ``dp/epsilon``.
-
-    Args:
-        schedule: a :class:`~lightning_oso.schedules.PURSchedule` (e.g. ``schedules.logistic_schedule(...)``).
-        lipschitz: ``L``, the per-example Lipschitz constant of the loss (``schedules.logistic_regression_constants``
-            computes it for regularised logistic regression).
-        target_epsilon, target_delta: the budget (the paper reports ``delta = 1/N``).
-        accountant: ``"prv"`` (default): the exact composition of the steps' Gaussian mechanisms (one Gaussian,
-            mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the paper's zCDP accounting (looser); or a
-            :class:`~lightning_oso.PrivacyAccountant` to continue.
-        loss_reduction, seed, log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-            deterministic_resume: as for :class:`DPCallback`.
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument; when training starts, for a batch
-            smaller than the dataset, or an optimizer other than ``torch.optim.SGD`` without momentum.
-
-    Example::
-
-        constants = schedules.logistic_regression_constants(max_norm=1.0, regularisation=0.1)
-        schedule = schedules.logistic_schedule(constants, dimension=d)
-        dp = PURDP(schedule, lipschitz=constants.lipschitz, target_epsilon=1.0, target_delta=1 / N)
-        L.Trainer(max_epochs=100_000, callbacks=[dp]).fit(model, DataLoader(data, batch_size=N))
-    """
-
-    method = "PUR"
-    accountants = ("prv", "zcdp")
-
-    def __init__(
-        self,
-        schedule: PURSchedule,
-        lipschitz: float,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        accountant: str | PrivacyAccountant = "prv",
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, None, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        if not isinstance(schedule, PURSchedule):
-            raise PrivacyConfigurationError(
-                f"schedule must be a lightning_oso.schedules.PURSchedule, got {type(schedule).__name__}"
-            )
-        self.schedule = schedule
-        self.lipschitz = check_number("lipschitz", lipschitz, positive=True)
-
-    @property
-    def initial_clip(self) -> float:
-        return self.lipschitz
-
-    @property
-    def noise_std(self) -> float:
-        """``sigma_t`` of the next step."""
-        return self.rule.noise_std if self.rule is not None else self.schedule.noise_std(1)
-
-    @property
-    def _first_step(self) -> int:
-        """The schedule's ``t`` of this fit's first step: 1, or where the checkpoint left off."""
-        return self._restored["rule"]["t"] if self._restored is not None else 1
-
-    def _config(self, sample_rate: float | None) -> dict:
-        return {**super()._config(sample_rate), "schedule": repr(self.schedule), "lipschitz": self.lipschitz}
-
-    def plan(self, sample_rate: float, remaining_steps: float, limit: int) -> tuple[float, int]:
-        """The schedule decides: ``nu`` of step ``t`` is ``sigma_t`` over the sensitivity ``2L/N``, from where the
-        checkpoint left off; the budget allows the steps whose composed schedule fits it."""
-        if sample_rate < 1.0:
-            raise PrivacyConfigurationError(
-                f"PURDP runs full-batch gradient descent, but the training loader samples at rate {sample_rate:.4g}: "
-                "build it with DataLoader(dataset, batch_size=len(dataset))"
-            )
-        first, n = self._first_step, self._strategy.num_samples
-
-        def multiplier_at(t: int) -> float:
-            return gaussian_multiplier(self.schedule.noise_std(t), self.lipschitz, n)
-
-        scheduled = planning.full_batch_schedule(multiplier_at, first)
-        allowed = planning.scheduled_steps_within_budget(  # the cost per step only grows
-            scheduled, self.target_epsilon, self.target_delta, self.accountant.accountant, self.accountant.history,
-            limit,
-        )
-        return multiplier_at(first), allowed
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
-        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples,
-                                      self._first_step)
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):
-            raise PrivacyConfigurationError(
-                f"PURDP runs gradient descent (the schedules are derived for plain GD steps with eta = 1/(2M)); "
-                f"use torch.optim.SGD without momentum, got {type(optimizer).__name__}"
-                + (" with momentum" if isinstance(optimizer, torch.optim.SGD) else "")
-            )
-
-    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
-        eta = self.schedule.step_size
-        if any(not math.isclose(group["lr"], eta) for group in optimizer.param_groups):
-            rank_zero_info(f"PURDP: learning rate set to the schedule's step size 1/(2M) = {eta:.4g}")
-        for group in optimizer.param_groups:
-            group["lr"] = eta
