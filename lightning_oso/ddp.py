@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from typing_extensions import override
 
 from lightning_oso.strategy import PrivateTraining
 from lightning_oso.validation import PrivacyConfigurationError
@@ -58,6 +59,7 @@ class DPDDPStrategy(PrivateTraining, DDPStrategy):
         super().__init__(**kwargs)
         self._init_privacy()
 
+    @override
     def configure_ddp(self) -> None:
         # Instead of wrapping the module: start every process from rank 0's parameters and buffers.
         _broadcast_module_states(self.model)

@@ -30,8 +30,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_oso import checks, private_step
+from lightning_oso import _compat, checks, private_step
 from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
 from lightning_oso.randomness import NOISE, RunRandomness
@@ -110,6 +111,7 @@ class PrivateTraining:
         return self.ledger.steps if self.ledger is not None else 0
 
     # ------------------------------------------------------------------ data
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -149,10 +151,12 @@ class PrivateTraining:
             self._hooks.cleanup()
         self._hooks = None
 
+    @override
     def teardown(self) -> None:
         self.detach_hooks()
         super().teardown()
 
+    @override
     def on_train_start(self) -> None:
         """Once per fit, before the first private step: the consistency checks of the model against the per-sample
         path (``checks``), on a synthetic batch shaped like the first training record, never on a private one."""
@@ -162,6 +166,7 @@ class PrivateTraining:
             checks.check_before_training(self, params, *self._training_data)
 
     # ------------------------------------------------------------------ the private step
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._batch_size = _leading_dim(batch)
@@ -170,6 +175,7 @@ class PrivateTraining:
             self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
         return super().training_step(*args, **kwargs)
 
+    @override
     def optimizer_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -296,8 +302,8 @@ class DPStrategy(PrivateTraining, SingleDeviceStrategy):
         new = cls(
             device=strategy.root_device,
             accelerator=strategy.accelerator,
-            checkpoint_io=strategy._checkpoint_io,
-            precision_plugin=strategy._precision_plugin,
+            checkpoint_io=_compat.checkpoint_io(strategy),
+            precision_plugin=_compat.precision_plugin(strategy),
         )
         if strategy.lightning_module is not None:
             new.connect(strategy.lightning_module)

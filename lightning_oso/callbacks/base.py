@@ -1,11 +1,7 @@
-"""The DP callbacks: arguments and their validation, wiring into the trainer, accounting, budget stop, logging,
-and the state that must survive a resume. The maths lives in ``accounting``, ``clipping`` and ``private_step``;
-the per-step mechanics in ``strategy.DPStrategy``.
-
-:class:`DPCallback` holds everything the methods share; each method is a thin subclass that says which clipping
-rule it runs and which optimizers it has an analysis for: :class:`OSODP` (spec section 1),
-:class:`FixedThresholdDP` (section 2; with :class:`~lightning_oso.DPAdamWOSM` or ``torch.optim.Adam``, section 4) and
-:class:`FixedQuantileDP` (section 3).
+"""DPCallback: what every DP method shares (arguments and their validation, wiring into the trainer, the
+ledger, accounting, budget stop, logging, and the state that must survive a resume), and the text of the shared
+arguments each method's docstring carries. The planning (noise calibration, step budget) is ``planning``; the
+private Lightning attributes it needs are ``_compat``.
 """
 
 from __future__ import annotations
@@ -16,38 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
-from lightning_oso.accounting import (
-    ACCOUNTANTS,
-    DEFAULT_DIRECTION_NOISE_RATIO,
-    PrivacyAccountant,
-    calibrate_noise_multiplier,
-    compute_epsilon,
-    largest_fitting_steps,
-    max_steps_within_budget,
-)
-from lightning_oso.clipping import (
-    ClippingRule,
-    FixedQuantileClipping,
-    FixedThresholdClipping,
-    OSOClipping,
-    ScheduledNoiseClipping,
-)
+from lightning_oso import _compat, planning
+from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
+from lightning_oso.clipping import ClippingRule
 from lightning_oso.ledger import LedgerError, PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
-from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.randomness import RunRandomness, os_nonce, root_seed_sequence
-from lightning_oso.schedules import PURSchedule, gaussian_multiplier
+from lightning_oso.randomness import RunRandomness, os_nonce
 from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     PrivacyConfigurationError,
     check_budget_arguments,
-    check_number,
     validate_model,
     validate_optimization,
     validate_trainer,
@@ -225,6 +205,19 @@ class DPCallback(Callback):
     def initial_clip(self) -> float:
         raise NotImplementedError
 
+    def plan(self, sample_rate: float, remaining_steps: float, limit: int) -> tuple[float, int]:
+        """This fit's privacy plan, called once when training starts: ``(nu, allowed)``, the noise multiplier of
+        its first step and how many more steps (at most ``limit``) the budget allows after the accountant's history.
+
+        Default: one ``nu`` for the whole fit (the requested one, the checkpoint's on a resume with the same budget
+        and sample rate, or calibrated for the ``remaining_steps`` the trainer plans; ``planning``), and the steps
+        at ``(nu, sample_rate)`` that fit the budget. A method whose noise follows a schedule overrides it (``PURDP``).
+        """
+        noise = self._resolve_noise_multiplier(sample_rate, remaining_steps)
+        allowed = planning.steps_within_budget(noise, sample_rate, self.target_epsilon, self.target_delta,
+                                               self.accountant.accountant, self.accountant.history, limit)
+        return noise, allowed
+
     # ------------------------------------------------------------------ public state
     @property
     def noise_multiplier(self) -> float | None:
@@ -261,6 +254,7 @@ class DPCallback(Callback):
         return self._epsilon_cache[1]
 
     @property
+    @override
     def state_key(self) -> str:
         # One key for every DP callback and every setting: a resume with another target, delta or method still
         # finds the checkpoint's privacy state (Lightning would skip a state saved under another key, and with it
@@ -268,13 +262,17 @@ class DPCallback(Callback):
         return "lightning_oso.DPCallback"
 
     # ------------------------------------------------------------------ wiring
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         validate_trainer(trainer)
         self._strategy = self._install_strategy(trainer)
         if self._randomness is None:  # one root per run, kept across its fits; the processes share rank 0's
-            root = None if self.secure_rng else trainer.strategy.broadcast(root_seed_sequence(self.seed))
+            # looked up on the package, so that patching lightning_oso.callbacks.root_seed_sequence takes effect
+            from lightning_oso import callbacks
+
+            root = None if self.secure_rng else trainer.strategy.broadcast(callbacks.root_seed_sequence(self.seed))
             self._randomness = RunRandomness(root, secure=self.secure_rng)
         self._strategy.configure_privacy(self._randomness, loss_reduction=self.loss_reduction,
                                          grad_sample_mode=self.grad_sample_mode)
@@ -293,7 +291,7 @@ class DPCallback(Callback):
             # The callback alone suffices on one device: take over the plain strategy (same device, accelerator,
             # precision and checkpoint IO) before the trainer sets it up.
             dp_strategy = DPStrategy.from_single_device(strategy)
-            trainer._accelerator_connector.strategy = dp_strategy
+            _compat.replace_strategy(trainer, dp_strategy)
             return dp_strategy
         if isinstance(strategy, DDPStrategy):
             raise PrivacyConfigurationError(
@@ -308,6 +306,7 @@ class DPCallback(Callback):
             "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) for several processes (DDP)."
         )
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         validate_model(pl_module)
         validate_optimization(pl_module, trainer.optimizers)
@@ -391,6 +390,7 @@ class DPCallback(Callback):
         """``(nu, q)`` of the step being released (captured when the batch started)."""
         return self._step_noise_multiplier, self._strategy.sample_rate
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = self._strategy
         q, num_samples = strategy.sample_rate, strategy.num_samples
@@ -402,19 +402,15 @@ class DPCallback(Callback):
                 "records): a mechanism that publishes one random record meets such a delta. Use delta << 1/N."
             )
         planned = trainer.estimated_stepping_batches
-        noise = self._resolve_noise_multiplier(q, planned - trainer.global_step)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
         taken = self.accountant.steps
-        allowed = self._steps_within_budget(noise, q, limit)
+        noise, allowed = self.plan(q, planned - trainer.global_step, limit)
         self.max_steps = taken + allowed
         if allowed < 1:
-            if taken:
-                raise self._budget_spent()
-            raise PrivacyConfigurationError(
-                f"the budget epsilon={self.target_epsilon}, delta={self.target_delta} does not allow a single step "
-                f"at noise multiplier {noise:.4g} and sample rate {q:.4g}; raise the budget or the noise multiplier"
-            )
-        self._check_min_steps(trainer, allowed)
+            raise planning.no_step_allowed(taken, lambda: self.epsilon, noise, q, self.target_epsilon,
+                                           self.target_delta)
+        planning.check_min_steps(trainer.fit_loop.min_steps or 0, trainer.fit_loop.min_epochs or 0,
+                                 trainer.num_training_batches, trainer.global_step, allowed)
         try:
             self.rule = self.make_rule(noise, strategy.expected_batch_size)
         except ValueError as err:
@@ -437,13 +433,6 @@ class DPCallback(Callback):
             "steps" + (f" after the {taken} in the accountant's history" if taken else "")
         )
 
-    def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
-        """How many more steps at ``noise_multiplier`` the budget allows after the accountant's history."""
-        return max_steps_within_budget(
-            noise_multiplier, sample_rate, self.target_epsilon, self.target_delta, self.accountant.accountant,
-            prior_history=[tuple(s) for s in self.accountant.history], limit=limit,
-        )
-
     def _resolve_noise_multiplier(self, sample_rate: float, remaining_steps: float) -> float:
         """``nu`` of this fit: the requested one; on a resume with the checkpoint's budget and sample rate, the
         checkpoint's (the uninterrupted run's plan); otherwise calibrated so that the accountant's history and the
@@ -452,7 +441,7 @@ class DPCallback(Callback):
             return self.requested_noise_multiplier
         if self._restored is not None:
             saved, mine = self._restored["config"], self._config(sample_rate)
-            changed = [key for key in _PLAN_KEYS if not _same(saved.get(key), mine[key])]
+            changed = planning.changed_plan_settings(saved, mine)
             if not changed:
                 return saved["noise_multiplier"]
             rank_zero_info(
@@ -461,41 +450,13 @@ class DPCallback(Callback):
                 + f"); the composition continues over the {self.accountant.steps} steps taken, and the noise is "
                 "calibrated anew for the steps the trainer still plans"
             )
-        if not math.isfinite(remaining_steps):
-            raise PrivacyConfigurationError(
-                f"{type(self).__name__}(target_epsilon=...) calibrates the noise for a planned number of steps, but "
-                "the trainer has none (max_epochs=-1 and max_steps=-1): set max_epochs or max_steps, or pass "
-                "noise_multiplier to train until the budget is spent"
-            )
-        try:
-            return calibrate_noise_multiplier(
-                self.target_epsilon, self.target_delta, sample_rate, max(1, int(remaining_steps)),
-                self.accountant.accountant, prior_history=[tuple(s) for s in self.accountant.history],
-            )
-        except ValueError as err:
-            if self.accountant.steps and self.epsilon >= self.target_epsilon:
-                raise self._budget_spent() from err
-            raise PrivacyConfigurationError(str(err)) from err
-
-    def _budget_spent(self) -> PrivacyConfigurationError:
-        return PrivacyConfigurationError(
-            f"the privacy budget is already spent ({self.accountant.steps} steps taken, epsilon={self.epsilon:.4g} of "
-            f"{self.target_epsilon} at delta={self.target_delta}); this run cannot train further. Plan the horizon "
-            "with max_epochs/max_steps when the noise is calibrated, or pass a larger noise_multiplier (or a larger "
-            "target_epsilon: the composition then continues over every step taken)"
+        return planning.calibrated_noise_multiplier(
+            type(self).__name__, self.target_epsilon, self.target_delta, sample_rate, remaining_steps,
+            self.accountant.accountant, self.accountant.history, lambda: self.epsilon,
         )
 
-    def _check_min_steps(self, trainer: Trainer, allowed: int) -> None:
-        min_steps = trainer.fit_loop.min_steps or 0
-        min_epochs = trainer.fit_loop.min_epochs or 0
-        needed = max(min_steps, min_epochs * trainer.num_training_batches) - trainer.global_step
-        if needed > allowed:
-            raise PrivacyConfigurationError(
-                f"the trainer must run at least {needed} steps (min_epochs/min_steps), but the privacy budget allows "
-                f"{allowed}; lower min_epochs/min_steps or raise the budget"
-            )
-
     # ------------------------------------------------------------------ per step
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_noise_multiplier = self.rule.noise_multiplier  # what this step's mechanism is accounted with
         if self.accountant.steps >= self.max_steps:
@@ -504,6 +465,7 @@ class DPCallback(Callback):
                 f"refusing private step {self.accountant.steps + 1}: the budget allows {self.max_steps} steps"
             )
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -513,7 +475,7 @@ class DPCallback(Callback):
         pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)
         for name, value in self.rule.step_metrics().items():
             pl_module.log(f"dp/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)
-        if trainer._logger_connector.should_update_logs or self.accountant.steps >= self.max_steps:
+        if _compat.logs_this_step(trainer) or self.accountant.steps >= self.max_steps:
             # epsilon costs an accountant evaluation: computed when a logger will record it
             pl_module.log("dp/epsilon", self.epsilon, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
         if self.log_nonprivate_diagnostics and self._strategy.diagnostics:
@@ -531,6 +493,7 @@ class DPCallback(Callback):
                 )
                 rank_zero_info(f"{type(self).__name__}: stopping training. Reason: {self.stop_reason}")
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         epsilon = self.epsilon
         for logger in trainer.loggers:
@@ -541,6 +504,7 @@ class DPCallback(Callback):
             + (f"; stopped early: {self.stop_reason}" if self.stop_reason else "")
         )
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self._strategy is not None:
             self._strategy.detach_hooks()
@@ -557,6 +521,7 @@ class DPCallback(Callback):
             "sample_rate": sample_rate,
         }
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: the settings, the accountant's history, the rule's state (``C_t``, ...), and where
         the run's ledger is. No seed and no generator state: a resume draws its streams anew from the callback's
@@ -571,6 +536,7 @@ class DPCallback(Callback):
             "sessions": self._sessions,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint, in one place: the history is taken over at once, whatever this callback's targets
         (so even a finished checkpoint reports what it spent); the steps its ledger holds beyond it are charged
@@ -589,381 +555,3 @@ class DPCallback(Callback):
         self._checkpoint_ledger = state_dict["ledger"]["path"]
         self._sessions = state_dict["sessions"]
         self._restored = dict(state_dict)
-
-
-
-#: The settings whose change on a resume makes the noise be calibrated anew.
-_PLAN_KEYS = ("target_epsilon", "target_delta", "accountant", "sample_rate")
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b))
-
-
-@_document_shared_args
-class OSODP(DPCallback):
-    r"""Train with OSO-DPSGD: differentially private SGD whose clipping threshold ``C_t`` and learning rate
-    ``rho_t`` are learned online from sanitised gradients (Galli et al., "Online Sensitivity Optimization in
-    Differentially Private Learning"; spec ``algorithms.md`` section 1).
-
-    Everything of :class:`DPCallback` (Poisson sampling, accounting, budget stop, logging, resume) plus the OSO
-    rule: a second, direction query splits the noise by Proposition 1 (``dp/direction_noise_multiplier`` is
-    logged), and ``rho_t`` multiplies every parameter group's learning rate. SGD with or without momentum only.
-
-    Args:
-        {shared}
-        initial_clip: ``C_0`` (paper default 0.1).
-        clip_lr: ``rho_c``, the step of the exponential update of ``C_t`` (paper default 2.5e-3).
-        lr_lr: ``rho_r``, the step of the exponential update of the learning rate (paper default 2.5e-3).
-        direction_noise_ratio: ``nu_q / nu`` (Proposition 1; default 7.124, i.e. ``nu_g = 1.01 nu``).
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts for
-            a model, optimizer or trainer setting that cannot be made private: the message names the fix.
-
-    Example::
-
-        import lightning.pytorch as L
-        from lightning_oso import OSODP
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[OSODP(target_epsilon=3.0, target_delta=1e-5)])
-        trainer.fit(model, datamodule)  # any LightningModule whose optimizer is torch.optim.SGD
-    """
-
-    method = "OSO"
-    adapts_learning_rate = True
-
-    def __init__(
-        self,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        initial_clip: float = 0.1,
-        clip_lr: float = 2.5e-3,
-        lr_lr: float = 2.5e-3,
-        direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
-        self.clip_lr = check_number("clip_lr", clip_lr)
-        self.lr_lr = check_number("lr_lr", lr_lr)
-        if isinstance(direction_noise_ratio, bool) or not isinstance(direction_noise_ratio, (int, float)) or not (
-            direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio)
-        ):
-            raise PrivacyConfigurationError(
-                f"direction_noise_ratio (nu_q / nu) must be a finite number > 1, got {direction_noise_ratio!r}"
-            )
-        self.direction_noise_ratio = float(direction_noise_ratio)
-
-    @property
-    def initial_clip(self) -> float:
-        return self._initial_clip
-
-    @property
-    def direction_noise_multiplier(self) -> float | None:
-        """``nu_q``: noise of the direction sum (sensitivity 1)."""
-        return self.rule.direction_noise_multiplier if self.rule is not None else None
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> OSOClipping:
-        return OSOClipping(noise_multiplier, self._initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise PrivacyConfigurationError(
-                f"OSO has a derivation for SGD (with or without momentum) only, got {type(optimizer).__name__}. "
-                "For Adam the derivative of the update with respect to C_t is no longer a sum of unit vectors, so the "
-                "direction query loses its unit sensitivity and the OSO paper gives no analysis. Use torch.optim.SGD, "
-                "or FixedThresholdDP for other optimizers."
-            )
-
-
-
-@_document_shared_args
-class FixedThresholdDP(DPCallback):
-    r"""Train with fixed-threshold DP-SGD (Abadi et al. 2016; spec section 2): every per-sample gradient is clipped
-    to norm ``clip`` and the sum gets Gaussian noise ``N(0, (clip nu)^2 I)``.
-
-    Any torch optimizer post-processes the sanitised gradient, so this is also DPAdam (``torch.optim.Adam``) and,
-    with :class:`~lightning_oso.DPAdamWOSM`, DPAdamWOSM (spec section 4): its ``gradient_noise_std`` is set here to
-    ``nu * clip / B`` when training starts, unless given.
-
-    Args:
-        {shared}
-        clip: the clipping threshold ``C`` (required; no default fits every model).
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts.
-
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[FixedThresholdDP(target_epsilon=3.0, clip=1.0)])
-        trainer.fit(model, datamodule)  # SGD, Adam, DPAdamWOSM, ...
-    """
-
-    method = "FixedThreshold"
-
-    def __init__(
-        self,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        clip: float | None = None,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        self._clip = check_number("clip", clip, positive=True)
-
-    @property
-    def initial_clip(self) -> float:
-        return self._clip
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedThresholdClipping:
-        return FixedThresholdClipping(noise_multiplier, self._clip)
-
-    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
-        if isinstance(optimizer, DPAdamWOSM):
-            # Theorem 3: the per-coordinate std of the noise in the averaged gradient, nu C / B
-            noise_std = rule.gradient_noise_multiplier * self._clip / self._strategy.expected_batch_size
-            given = {group["gradient_noise_std"] for group in optimizer.param_groups} - {None}
-            if not given:
-                optimizer.set_gradient_noise_std(noise_std)
-            elif any(not math.isclose(value, noise_std, rel_tol=1e-6) for value in given):
-                rank_zero_warn(
-                    f"DPAdamWOSM was given gradient_noise_std={sorted(given)}, but this run's noise has std "
-                    f"nu*C/B = {noise_std:.4g}; the given value is kept (it only rescales the step size)"
-                )
-
-
-
-@_document_shared_args
-class FixedQuantileDP(DPCallback):
-    r"""Train with quantile-based adaptive clipping (Andrew et al. 2021), as run in the OSO paper (spec section 3):
-    ``C_t`` follows the ``target_quantile`` of the per-sample gradient norms, learned from a noisy centred count.
-
-    Per step the count of unclipped samples is released with noise ``sigma_b`` (``count_noise_std``), and the
-    clipped-gradient noise is raised to ``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` so that both together cost one
-    Gaussian mechanism with multiplier ``nu``. Any optimizer except DPAdamWOSM (whose step size assumes a constant
-    ``C``).
-
-    Args:
-        {shared}
-        target_quantile: ``gamma`` in (0, 1), the fraction of samples left unclipped (the paper's grid:
-            0.1, 0.3, 0.5, 0.7, 0.9).
-        initial_clip: ``C_0`` (default 0.1, as in the OSO paper's runs).
-        clip_lr: ``eta_C``, the step of the geometric update of ``C_t`` (default 0.2).
-        count_noise_std: ``sigma_b``; ``None`` (default): ``B / 20`` with ``B`` the expected batch size, as in the
-            OSO paper's runs. Must exceed ``nu / 2``.
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts (also
-            when ``nu >= 2 sigma_b``: the count would need the whole budget).
-
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[FixedQuantileDP(target_epsilon=3.0, target_quantile=0.5)])
-        trainer.fit(model, datamodule)
-    """
-
-    method = "FixedQuantile"
-
-    def __init__(
-        self,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        target_quantile: float = 0.5,
-        initial_clip: float = 0.1,
-        clip_lr: float = 0.2,
-        count_noise_std: float | None = None,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        target_quantile = check_number("target_quantile", target_quantile, positive=True)
-        if not target_quantile < 1:
-            raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")
-        self.target_quantile = target_quantile
-        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
-        self.clip_lr = check_number("clip_lr", clip_lr)
-        self.requested_count_noise_std = (
-            None if count_noise_std is None else check_number("count_noise_std", count_noise_std, positive=True)
-        )
-
-    @property
-    def initial_clip(self) -> float:
-        return self._initial_clip
-
-    @property
-    def count_noise_std(self) -> float | None:
-        """``sigma_b``, the noise of the centred count (known once training starts, if not given)."""
-        return self.rule.count_noise_std if self.rule is not None else self.requested_count_noise_std
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedQuantileClipping:
-        count_noise_std = self.requested_count_noise_std or expected_batch_size / 20.0
-        return FixedQuantileClipping(
-            noise_multiplier, self.target_quantile, count_noise_std, self._initial_clip, self.clip_lr
-        )
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(optimizer, DPAdamWOSM):
-            raise PrivacyConfigurationError(
-                "DPAdamWOSM's step size lr / (nu C / B + eps) assumes a constant clipping threshold C; the quantile "
-                "rule moves C_t every step. Use FixedThresholdDP with DPAdamWOSM, or SGD/Adam with FixedQuantileDP."
-            )
-
-
-
-
-class PURDP(DPCallback):
-    r"""Full-batch noisy gradient descent with a PUR noise schedule (Fay et al.; spec section 6): step ``t`` adds
-    ``N(0, sigma_t^2 I)`` to the mean gradient with the data-independent ``sigma_t`` of Proposition 3, and the
-    step size is ``1/(2M)``. The budget decides the number of steps: training stops before the step that would
-    push epsilon over ``target_epsilon``.
-
-    Every batch is the whole training set (build the loader with ``batch_size >= len(dataset)``). Per-example
-    gradients are clipped at ``lipschitz`` (``L``): under the schedule's assumption that the loss is
-    ``L``-Lipschitz nothing is clipped; where it is not, the clipping keeps the sensitivity ``2L/N``. Epsilon is
-    reported under replace-one adjacency, as in the paper (it also bounds add/remove). ``dp/noise_std``
-    (``sigma_t``) is logged every step, with ``dp/epsilon``.
-
-    Args:
-        schedule: a :class:`~lightning_oso.schedules.PURSchedule` (e.g. ``schedules.logistic_schedule(...)``).
-        lipschitz: ``L``, the per-example Lipschitz constant of the loss (``schedules.logistic_regression_constants``
-            computes it for regularised logistic regression).
-        target_epsilon, target_delta: the budget (the paper reports ``delta = 1/N``).
-        accountant: ``"prv"`` (default): the exact composition of the steps' Gaussian mechanisms (one Gaussian,
-            mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the paper's zCDP accounting (looser); or a
-            :class:`~lightning_oso.PrivacyAccountant` to continue.
-        loss_reduction, seed, log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-            deterministic_resume: as for :class:`DPCallback`.
-
-    Raises:
-        PrivacyConfigurationError: (a ``ValueError``) for an invalid argument; when training starts, for a batch
-            smaller than the dataset, or an optimizer other than ``torch.optim.SGD`` without momentum.
-
-    Example::
-
-        constants = schedules.logistic_regression_constants(max_norm=1.0, regularisation=0.1)
-        schedule = schedules.logistic_schedule(constants, dimension=d)
-        dp = PURDP(schedule, lipschitz=constants.lipschitz, target_epsilon=1.0, target_delta=1 / N)
-        L.Trainer(max_epochs=100_000, callbacks=[dp]).fit(model, DataLoader(data, batch_size=N))
-    """
-
-    method = "PUR"
-    accountants = ("prv", "zcdp")
-
-    def __init__(
-        self,
-        schedule: PURSchedule,
-        lipschitz: float,
-        target_epsilon: float,
-        target_delta: float = 1e-5,
-        accountant: str | PrivacyAccountant = "prv",
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
-        deterministic_resume: bool = False,
-    ) -> None:
-        super().__init__(target_epsilon, target_delta, None, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
-        if not isinstance(schedule, PURSchedule):
-            raise PrivacyConfigurationError(
-                f"schedule must be a lightning_oso.schedules.PURSchedule, got {type(schedule).__name__}"
-            )
-        self.schedule = schedule
-        self.lipschitz = check_number("lipschitz", lipschitz, positive=True)
-
-    @property
-    def initial_clip(self) -> float:
-        return self.lipschitz
-
-    @property
-    def noise_std(self) -> float:
-        """``sigma_t`` of the next step."""
-        return self.rule.noise_std if self.rule is not None else self.schedule.noise_std(1)
-
-    @property
-    def _first_step(self) -> int:
-        """The schedule's ``t`` of this fit's first step: 1, or where the checkpoint left off."""
-        return self._restored["rule"]["t"] if self._restored is not None else 1
-
-    def _config(self, sample_rate: float | None) -> dict:
-        return {**super()._config(sample_rate), "schedule": repr(self.schedule), "lipschitz": self.lipschitz}
-
-    def _resolve_noise_multiplier(self, sample_rate: float, planned_steps: float) -> float:
-        if sample_rate < 1.0:
-            raise PrivacyConfigurationError(
-                f"PURDP runs full-batch gradient descent, but the training loader samples at rate {sample_rate:.4g}: "
-                "build it with DataLoader(dataset, batch_size=len(dataset))"
-            )
-        return gaussian_multiplier(self.schedule.noise_std(self._first_step), self.lipschitz,
-                                   self._strategy.num_samples)
-
-    def _steps_within_budget(self, noise_multiplier: float, sample_rate: float, limit: int) -> int:
-        first = self._first_step
-        prior = [tuple(s) for s in self.accountant.history]
-        n = self._strategy.num_samples
-
-        precisions = [0.0]  # prefix sums of 1/nu_t^2 from step `first` on
-
-        def fits(steps: int) -> bool:
-            while len(precisions) <= steps:
-                nu = gaussian_multiplier(self.schedule.noise_std(first + len(precisions) - 1), self.lipschitz, n)
-                precisions.append(precisions[-1] + nu**-2)
-            # full-batch Gaussian steps compose exactly into one (accounting._normalise does the same merge), so the
-            # prefix sum stands for the whole schedule: no history of `steps` segments per evaluation
-            scheduled = [(precisions[steps] ** -0.5, 1.0, 1)] if steps else []
-            spent = compute_epsilon(prior + scheduled, self.target_delta, self.accountant.accountant)
-            return spent <= self.target_epsilon
-
-        return largest_fitting_steps(fits, limit)  # the cost per step only grows
-
-    def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
-        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples,
-                                      self._first_step)
-
-    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):
-            raise PrivacyConfigurationError(
-                f"PURDP runs gradient descent (the schedules are derived for plain GD steps with eta = 1/(2M)); "
-                f"use torch.optim.SGD without momentum, got {type(optimizer).__name__}"
-                + (" with momentum" if isinstance(optimizer, torch.optim.SGD) else "")
-            )
-
-    def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
-        eta = self.schedule.step_size
-        if any(not math.isclose(group["lr"], eta) for group in optimizer.param_groups):
-            rank_zero_info(f"PURDP: learning rate set to the schedule's step size 1/(2M) = {eta:.4g}")
-        for group in optimizer.param_groups:
-            group["lr"] = eta
