@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_trainer, toy_data
+from helpers import make_trainer, toy_data
 from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader

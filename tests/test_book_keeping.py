@@ -145,7 +145,7 @@ def test_empty_batch():
 def test_training_is_the_same_on_both_paths(method):
     """Same seeds, same data: the fast path and Opacus' per-sample path train to the same parameters, C_t and
     epsilon (the noise is the same draw; the sums differ by float rounding only)."""
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import FixedQuantileDP, FixedThresholdDP, OSODP
 
@@ -203,7 +203,7 @@ def test_autograd_weight_gradients_are_skipped_and_restored():
     """On the fast path autograd computes no weight gradients (the private step replaces them): a user's
     on_after_backward sees none, the optimizer sees the sanitised ones, and requires_grad is back after every step
     and after fit, also when a step fails."""
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import OSODP
 
@@ -236,7 +236,7 @@ def test_private_step_reads_one_flag_back_to_the_host(monkeypatch):
     (``item``, ``float``, ``bool``, ``tolist``) once per step, to refuse a step with non-finite per-sample gradients,
     read after the sums and the noise are queued, the first step included (the consistency checks run before it, on
     synthetic data: ``checks``)."""
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import OSODP
     from lightning_oso.strategy import DPStrategy

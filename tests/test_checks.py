@@ -7,7 +7,7 @@ import warnings
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_data, toy_loader
+from helpers import ToyModel, make_trainer, toy_data, toy_loader
 from opacus.layers import DPLSTM
 from torch import nn
 from torch.nn import functional as F

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
 from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP, compute_epsilon

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_data, toy_loader
+from helpers import ToyModel, make_trainer, toy_data, toy_loader
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 

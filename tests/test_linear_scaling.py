@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_data
+from helpers import ToyModel, make_trainer, toy_data
 from torch.utils.data import DataLoader
 
 from lightning_oso import FixedThresholdDP, compute_epsilon, schedules

@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
@@ -42,10 +42,10 @@ class StopAt(L.Callback):
 
 
 def _pur_case():
-    from test_schedules import Logistic, _data, _pur
+    from helpers import Logistic, make_pur, pur_data
 
-    return (lambda **kw: _pur(epsilon=1.0, **kw)[0], lambda: Logistic(4), lambda: DataLoader(_data(), batch_size=120),
-            100_000, 5)
+    return (lambda **kw: make_pur(epsilon=1.0, **kw)[0], lambda: Logistic(4),
+            lambda: DataLoader(pur_data(), batch_size=120), 100_000, 5)
 
 
 CASES = {
@@ -55,7 +55,7 @@ CASES = {
               toy_loader, 3, 1),
     "quantile": (lambda **kw: FixedQuantileDP(target_epsilon=4.0, target_delta=1e-4, target_quantile=0.7, seed=2, **kw),
                  ToyModel, toy_loader, 3, 1),
-    "pur": None,  # built lazily: its helpers live in test_schedules
+    "pur": None,  # built lazily (its helpers in helpers.py)
 }
 
 
@@ -260,7 +260,7 @@ _KILLED_RUN = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
     from lightning_oso import OSODP
 
     class Released(L.Callback):
