@@ -114,6 +114,7 @@ def test_synthetic_data_follows_the_paper():
     assert float((y[~positive_side] == 1).float().mean()) == pytest.approx(0.1, abs=0.01)
 
 
+@pytest.mark.slow
 def test_pur_trains_until_the_budget_is_spent_and_logs_the_schedule(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
@@ -165,6 +166,7 @@ def test_pur_refuses_minibatches_and_momentum():
         PURDP("convex", 1.0, 1.0)
 
 
+@pytest.mark.slow
 def test_pur_composes_with_an_earlier_history():
     """A shared accountant: the budget covers the earlier full-batch run too."""
     accountant = PrivacyAccountant(1 / 120, "prv")
