@@ -141,6 +141,7 @@ def test_empty_batch():
     bk.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["oso", "fixed", "quantile"])
 def test_training_is_the_same_on_both_paths(method):
     """Same seeds, same data: the fast path and Opacus' per-sample path train to the same parameters, C_t and
@@ -174,6 +175,7 @@ def test_bad_grad_sample_mode_is_refused():
         OSODP(target_epsilon=1.0, grad_sample_mode="ghost")
 
 
+@pytest.mark.slow
 def test_sensitivity_on_neighbouring_batches():
     """Removing one sample moves the fast path's clipped sum by at most C and its direction sum by at most 1
     (spec section 1): the bound the noise is calibrated to."""

@@ -13,6 +13,7 @@ from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, DPStrategy, compute_epsilon
 
 
+@pytest.mark.slow
 def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
     dp = OSODP(target_epsilon=2.0, target_delta=1e-4)
     logger = TensorBoardLogger(tmp_path, name="run")
@@ -44,6 +45,7 @@ def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
     assert clips[0] == pytest.approx(0.1, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_training_batches_are_poisson_samples():
     dp = OSODP(target_epsilon=50.0, target_delta=1e-4)
     model = ToyModel()
@@ -137,6 +139,7 @@ def test_nonprivate_diagnostics_only_on_opt_in():
     assert {"nonprivate/clipped_fraction", "nonprivate/grad_norm_max", "nonprivate/batch_size"} <= set(metrics)
 
 
+@pytest.mark.slow
 def test_learning_to_classify():
     """OSO actually trains: a separable toy problem reaches high accuracy at a moderate budget."""
     dp = OSODP(target_epsilon=8.0, target_delta=1e-4)

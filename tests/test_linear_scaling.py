@@ -132,6 +132,7 @@ def test_a_falling_fit_never_shrinks_r_below_the_larger_sweeps_best():
     assert result.epsilon_spent <= 3.0
 
 
+@pytest.mark.slow
 def test_large_batches_compose_within_the_target():
     """Subsampled runs (q = 0.1, the paper's large-batch setting): the procedure still meets the target as one PRV
     composition, and the final run's own epsilon is a fixed point of the plan."""
