@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the quick loop while editing: every test but those marked slow (DDP, example smoke runs, audits, long schedules;
+# see the markers in pyproject.toml). `make test` still runs them all.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) lightning_logs

@@ -118,12 +118,13 @@ class LinearScalingResult:
 
     def plot(self, path: str) -> None:
         """The sweeps' runs (r against their epsilon, the best marked), the fitted line and the final run."""
-        import matplotlib
+        # an explicit figure on its own Agg canvas: no pyplot, so the caller's backend and figures are untouched
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
         for k, phase in enumerate(("sweep 1", "sweep 2")):
             runs = [t for t in self.trials if t.phase == phase]
             ax.scatter([self.sweep_epsilons[k]] * len(runs), [t.r for t in runs], c=[t.score for t in runs],
@@ -142,7 +143,6 @@ class LinearScalingResult:
         ax.set_title(f"linear scaling rule: total epsilon {self.epsilon_spent:.3g}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
 
 
 class LinearScalingSearch:

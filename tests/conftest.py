@@ -1,62 +1,7 @@
+"""Fixtures only: the shared helpers (ToyModel, toy_data, toy_loader, make_trainer, ...) live in helpers.py."""
+
 import lightning.pytorch as L
 import pytest
-import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def toy_data(n=200, dim=10, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=g)
-    w = torch.randn(dim, generator=g)
-    y = (x @ w > 0).long()
-    return TensorDataset(x, y)
-
-
-class ToyModel(L.LightningModule):
-    """A small MLP that records the size of every training batch the loop gives it (in ``on_train_batch_start``:
-    ``training_step`` also runs once per fit on the DP strategy's synthetic check batches, see ``checks``)."""
-
-    def __init__(self, lr=0.5, momentum=0.0, hidden=16, optimizer="sgd", net=None):
-        super().__init__()
-        self.net = net or nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 2))
-        self.lr, self.momentum, self.optimizer_name = lr, momentum, optimizer
-        self.batch_sizes = []
-
-    def forward(self, x):
-        return self.net(x)
-
-    def on_train_batch_start(self, batch, batch_idx):
-        self.batch_sizes.append(batch[0].shape[0])
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
-
-
-def toy_loader(n=200, batch_size=20, seed=0):
-    return DataLoader(toy_data(n, seed=seed), batch_size=batch_size, shuffle=True)
-
-
-def make_trainer(callbacks, **kwargs):
-    defaults = dict(
-        max_epochs=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(callbacks=callbacks, **defaults)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import ToyModel, toy_data  # noqa: E402
+from helpers import ToyModel, toy_data  # noqa: E402
 
 from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP  # noqa: E402
 

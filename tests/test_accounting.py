@@ -277,6 +277,7 @@ def test_budget_stop_at_sample_rate_one_and_huge_epsilon():
     assert acc.epsilon() <= target < acc.epsilon(extra_steps=1)
 
 
+@pytest.mark.slow
 def test_mixed_history_costs_at_least_its_full_batch_part():
     """A subsampled segment composed with a costly full-batch one (exact epsilon 730 to 5400): composition only
     adds cost, so the reported epsilon is at least the full-batch part's exact epsilon (mpmath). It used to be

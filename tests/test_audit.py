@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_trainer, toy_data
+from helpers import make_trainer, toy_data
 from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader
@@ -114,12 +114,14 @@ def _audit(noise: bool, monkeypatch):
     return audit.result(module, dp.epsilon, dp.target_delta)
 
 
+@pytest.mark.slow
 def test_audit_of_a_private_run_stays_below_the_claimed_epsilon(monkeypatch):
     result = _audit(noise=True, monkeypatch=monkeypatch)
     assert result.claimed_epsilon <= 2.0
     assert result.epsilon_lower_bound < result.claimed_epsilon
 
 
+@pytest.mark.slow
 def test_audit_has_teeth_without_noise(monkeypatch):
     """The same run with the noise switched off: the canaries are found, and the lower bound exceeds the epsilon the
     accountant claims, so an implementation that dropped the noise would fail the audit."""
@@ -128,6 +130,7 @@ def test_audit_has_teeth_without_noise(monkeypatch):
     assert result.epsilon_lower_bound > result.claimed_epsilon + 1.5
 
 
+@pytest.mark.slow
 def test_audit_catches_noise_scaled_down(monkeypatch):
     """A subtler bug: noise at a tenth of its scale (fixed threshold). The audit's bound exceeds the claim."""
     original = PrivateTraining.add_noise

@@ -141,11 +141,12 @@ def test_empty_batch():
     bk.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["oso", "fixed", "quantile"])
 def test_training_is_the_same_on_both_paths(method):
     """Same seeds, same data: the fast path and Opacus' per-sample path train to the same parameters, C_t and
     epsilon (the noise is the same draw; the sums differ by float rounding only)."""
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import FixedQuantileDP, FixedThresholdDP, OSODP
 
@@ -174,6 +175,7 @@ def test_bad_grad_sample_mode_is_refused():
         OSODP(target_epsilon=1.0, grad_sample_mode="ghost")
 
 
+@pytest.mark.slow
 def test_sensitivity_on_neighbouring_batches():
     """Removing one sample moves the fast path's clipped sum by at most C and its direction sum by at most 1
     (spec section 1): the bound the noise is calibrated to."""
@@ -203,7 +205,7 @@ def test_autograd_weight_gradients_are_skipped_and_restored():
     """On the fast path autograd computes no weight gradients (the private step replaces them): a user's
     on_after_backward sees none, the optimizer sees the sanitised ones, and requires_grad is back after every step
     and after fit, also when a step fails."""
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import OSODP
 
@@ -236,7 +238,7 @@ def test_private_step_reads_one_flag_back_to_the_host(monkeypatch):
     (``item``, ``float``, ``bool``, ``tolist``) once per step, to refuse a step with non-finite per-sample gradients,
     read after the sums and the noise are queued, the first step included (the consistency checks run before it, on
     synthetic data: ``checks``)."""
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import OSODP
     from lightning_oso.strategy import DPStrategy

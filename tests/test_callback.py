@@ -9,10 +9,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, DPStrategy, compute_epsilon
 
 
+@pytest.mark.slow
 def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
     dp = OSODP(target_epsilon=2.0, target_delta=1e-4)
     logger = TensorBoardLogger(tmp_path, name="run")
@@ -44,6 +45,7 @@ def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
     assert clips[0] == pytest.approx(0.1, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_training_batches_are_poisson_samples():
     dp = OSODP(target_epsilon=50.0, target_delta=1e-4)
     model = ToyModel()
@@ -73,14 +75,35 @@ def test_budget_stop_with_fixed_noise_multiplier():
     assert "privacy budget" in dp.stop_reason
 
 
-def test_user_hooks_and_optimizer_see_only_sanitised_gradients():
+@pytest.mark.parametrize("grad_sample_mode", ["book_keeping", "hooks"])
+def test_user_hooks_and_optimizer_see_only_sanitised_gradients(grad_sample_mode):
+    """The loss has zero gradient, so the raw autograd gradient is exactly 0 and the sanitised one is pure noise of
+    std C_0 nu_g / B. The user's ``on_before_optimizer_step`` must see that noise in every ``.grad`` (a zero there is
+    the raw gradient: the private step ran after the hook), and plain SGD must step by exactly it (the optimizer used
+    what the hook saw)."""
+
     class Spy(ToyModel):
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            return 0.0 * self(x).sum()
+
         def on_before_optimizer_step(self, optimizer):
             self.seen = [getattr(p, "grad_sample", None) for p in self.parameters()]
+            self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.parameters()]
 
-    model = Spy()
-    make_trainer([OSODP(target_epsilon=5.0, target_delta=1e-4)], max_epochs=1).fit(model, toy_loader())
+    model = Spy(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1,
+               grad_sample_mode=grad_sample_mode)
+    make_trainer([dp], max_steps=1).fit(model, toy_loader(batch_size=20))
     assert all(s is None for s in model.seen)  # the per-sample gradients were consumed before the hook ran
+    assert all(g is not None and torch.count_nonzero(g) == g.numel() for g in model.grads)  # not the raw zeros
+    seen = torch.cat([g.flatten() for g in model.grads])
+    expected = 0.1 * dp.gradient_noise_multiplier / 20.0  # C_0 nu_g / B, B = qN = 20
+    assert seen.std().item() == pytest.approx(expected, rel=5 / (2 * seen.numel()) ** 0.5)
+    assert abs(seen.mean().item()) < 5 * expected / seen.numel() ** 0.5
+    for p, p0, g in zip(model.parameters(), before, model.grads):
+        torch.testing.assert_close(p.detach(), p0 - 1.0 * g)  # SGD, lr 1, no momentum: the step is -grad
 
 
 def test_unused_parameter_is_noised():
@@ -116,6 +139,7 @@ def test_nonprivate_diagnostics_only_on_opt_in():
     assert {"nonprivate/clipped_fraction", "nonprivate/grad_norm_max", "nonprivate/batch_size"} <= set(metrics)
 
 
+@pytest.mark.slow
 def test_learning_to_classify():
     """OSO actually trains: a separable toy problem reaches high accuracy at a moderate budget."""
     dp = OSODP(target_epsilon=8.0, target_delta=1e-4)

@@ -7,7 +7,7 @@ import warnings
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_data, toy_loader
+from helpers import ToyModel, make_trainer, toy_data, toy_loader
 from opacus.layers import DPLSTM
 from torch import nn
 from torch.nn import functional as F
@@ -136,6 +136,7 @@ def test_weight_read_outside_its_layer_is_refused_before_the_first_step(mode):
     _refused(DirectlyTied(), toy_loader(), "'proj.weight' do not add up .* tied weight", mode)
 
 
+@pytest.mark.slow
 def test_every_process_refuses_together(tmp_path):
     """DPDDPStrategy: both processes check the same synthetic batch and refuse before the first step (none waits
     for the other in a collective)."""

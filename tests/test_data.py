@@ -13,7 +13,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from conftest import ToyModel, make_trainer, toy_data
+from helpers import ToyModel, make_trainer, toy_data
 from lightning_oso import OSODP
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 

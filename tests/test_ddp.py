@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
 from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP, compute_epsilon
@@ -39,6 +39,7 @@ def _same_on_every_process(ranks, keys):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_processes_stay_identical_and_spend_what_one_process_would(tmp_path):
     """OSO with momentum on 2 processes, stopped by the budget: parameters, C_t, rho_t, steps and epsilon are the
     same on both; each process saw only its shard; the accountant saw the global rate, and the run spent exactly
@@ -60,6 +61,7 @@ def test_processes_stay_identical_and_spend_what_one_process_would(tmp_path):
     assert single.epsilon == pytest.approx(run["epsilon"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_noise_is_added_once_globally(tmp_path):
     """Zero gradients, one step with lr 1: the weights move by the noise alone, std nu C / B with B the global
     expected batch size, as on one process. Noise added by each process would show sqrt(2) times that."""
@@ -82,6 +84,7 @@ def test_noise_is_added_once_globally(tmp_path):
     assert delta.std().item() / single.std().item() == pytest.approx(1.0, rel=2 * tolerance)
 
 
+@pytest.mark.slow
 def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(tmp_path):
     """deterministic_resume across processes: an interrupted run resumed from its checkpoint ends where the
     uninterrupted one ends, on every process (the ledger, written by rank 0, charges the same steps on all)."""
@@ -96,6 +99,7 @@ def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(tmp_p
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_on_one_process_stops_every_process(tmp_path):
     """An inf input on rank 1 only: the refusal travels with the sums, so both processes stop at the same step with
     the reason (none waits forever for the other)."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, PrivacyConfigurationError
 
 

@@ -16,6 +16,7 @@ import pur_schedules  # noqa: E402
 from lightning_oso import compute_epsilon  # noqa: E402
 
 
+@pytest.mark.slow
 def test_digits_demo_smallest_setting(tmp_path):
     plot = tmp_path / "plot.png"
     result = digits_oso.main(["--epochs", "1", "--epsilon", "2.0", "--log-dir", str(tmp_path / "logs"),
@@ -26,6 +27,7 @@ def test_digits_demo_smallest_setting(tmp_path):
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_comparison_smallest_setting(tmp_path):
     """Every method and the baseline on both default tasks, one epoch, one seed, k=2: tables, JSON and plots
     written, and every grid within its per-grid budget as a direct composition of all its runs."""
@@ -51,6 +53,7 @@ def test_comparison_smallest_setting(tmp_path):
         assert by_method["FixedThreshold"]["noise_multiplier"] > by_method["Online"]["noise_multiplier"]
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_smallest_setting(tmp_path):
     """The benchmark harness runs every variant on every model (a few steps) and writes its JSON, table and plot;
     the figures themselves are measured by running it, not here."""
@@ -76,6 +79,7 @@ def test_overhead_benchmark_smallest_setting(tmp_path):
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_audit_of_the_demo_smallest_setting(tmp_path):
     rows = audit_digits.main(["--epsilons", "2", "--epochs", "1", "--canaries", "200", "--out", str(tmp_path)])
     (row,) = rows
@@ -85,6 +89,7 @@ def test_audit_of_the_demo_smallest_setting(tmp_path):
     assert "audited lower bound" in (tmp_path / "audit_digits.md").read_text()
 
 
+@pytest.mark.slow
 def test_pur_example_quick(tmp_path):
     """Iris, one repetition, 100 steps at most: every run within its budget, the exact accounting allows at least
     as many steps as zCDP, the table and plot written."""
@@ -95,6 +100,7 @@ def test_pur_example_quick(tmp_path):
     assert (tmp_path / "pur_table.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_linear_scaling_example_quick(tmp_path):
     """One budget, one seed: linear scaling and random search spend at most the budget; the oracle's (uncharged)
     cost is reported above it; table and plots written."""

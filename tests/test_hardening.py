@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_data, toy_loader
+from helpers import ToyModel, make_trainer, toy_data, toy_loader
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
@@ -112,6 +112,7 @@ def test_empty_dataset_is_refused_with_its_reason():
         make_trainer([_dp()], max_epochs=1).fit(ToyModel(), DataLoader(data, batch_size=4))
 
 
+@pytest.mark.slow
 def test_no_max_epochs_means_lightnings_default_plan():
     """max_epochs=None with max_steps=-1: Lightning plans its default 1000 epochs (and warns); the noise is
     calibrated for that plan and the budget holds."""

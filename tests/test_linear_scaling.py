@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_data
+from helpers import ToyModel, make_trainer, toy_data
 from torch.utils.data import DataLoader
 
 from lightning_oso import FixedThresholdDP, compute_epsilon, schedules
@@ -132,6 +132,7 @@ def test_a_falling_fit_never_shrinks_r_below_the_larger_sweeps_best():
     assert result.epsilon_spent <= 3.0
 
 
+@pytest.mark.slow
 def test_large_batches_compose_within_the_target():
     """Subsampled runs (q = 0.1, the paper's large-batch setting): the procedure still meets the target as one PRV
     composition, and the final run's own epsilon is a fixed point of the plan."""
@@ -144,3 +145,24 @@ def test_large_batches_compose_within_the_target():
     final = result.final
     assert compute_epsilon([(final.noise_multiplier, q, final.steps)], delta) == pytest.approx(
         result.final_epsilon, rel=1e-3)
+
+
+def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+    """``plot`` renders on its own Agg canvas: a caller's backend (here the pdf one, as a script with its own plots
+    might have chosen) is the same afterwards, and the figure is written."""
+    import matplotlib
+
+    search = LinearScalingSearch(_synthetic_train(c=40.0, q=1.0), target_epsilon=2.0, target_delta=1e-5,
+                                 sample_rate=1.0, r_range=(0.5, 200.0), eta_max=1.0, steps_max=500,
+                                 sweep_epsilons=(0.1, 0.2), runs_per_sweep=3, seed=1)
+    result = search.run()
+    original = matplotlib.get_backend()
+    try:
+        matplotlib.use("pdf")
+        before = matplotlib.get_backend()
+        result.plot(str(tmp_path / "fit.png"))
+        assert matplotlib.get_backend() == before == "pdf"
+    finally:
+        matplotlib.use(original)
+    assert (tmp_path / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "fit.png").stat().st_size > 10_000

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import (
     OSODP,
     DPAdamWOSM,
@@ -95,6 +95,7 @@ def test_quantile_update_and_count_noise():
     assert released.std().item() == pytest.approx(2.0 / 10.0, rel=5 / math.sqrt(2e5))
 
 
+@pytest.mark.slow
 def test_quantile_clip_tracks_the_target_quantile():
     """With little noise, C_t moves from far too small to the gamma-quantile of the per-sample norms."""
     dp = FixedQuantileDP(target_epsilon=200.0, target_delta=1e-4, target_quantile=0.5, initial_clip=1e-3,

@@ -4,7 +4,7 @@ from it (its noise scale is checked in test_callback's noise-scale test)."""
 import numpy as np
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from scipy import stats
 
 from lightning_oso import OSODP

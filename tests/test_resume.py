@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
@@ -42,10 +42,10 @@ class StopAt(L.Callback):
 
 
 def _pur_case():
-    from test_schedules import Logistic, _data, _pur
+    from helpers import Logistic, make_pur, pur_data
 
-    return (lambda **kw: _pur(epsilon=1.0, **kw)[0], lambda: Logistic(4), lambda: DataLoader(_data(), batch_size=120),
-            100_000, 5)
+    return (lambda **kw: make_pur(epsilon=1.0, **kw)[0], lambda: Logistic(4),
+            lambda: DataLoader(pur_data(), batch_size=120), 100_000, 5)
 
 
 CASES = {
@@ -55,7 +55,7 @@ CASES = {
               toy_loader, 3, 1),
     "quantile": (lambda **kw: FixedQuantileDP(target_epsilon=4.0, target_delta=1e-4, target_quantile=0.7, seed=2, **kw),
                  ToyModel, toy_loader, 3, 1),
-    "pur": None,  # built lazily: its helpers live in test_schedules
+    "pur": None,  # built lazily (its helpers in helpers.py)
 }
 
 
@@ -83,6 +83,7 @@ def _interrupted_then_resumed(root, name, **dp_kwargs):
     return _fit(root, name, ckpt_path=str(Path(root) / f"epoch={stop - 1}.ckpt"), **dp_kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["oso", "fixed", "quantile", "pur"])
 def test_resume_continues_the_run_for_every_callback(tmp_path, name):
     """Interrupted at an epoch boundary and resumed, every DP callback charges what the uninterrupted run charges and
@@ -159,6 +160,7 @@ def test_two_branches_from_one_checkpoint(tmp_path, deterministic, ledger):
     assert second_dp.epsilon == pytest.approx(compute_epsilon([(1.0, 0.1, second_dp.steps)], 1e-4))
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_charges_every_executed_step_and_draws_anew(tmp_path):
     """A job killed in mid-epoch, after step 7, resumed from its checkpoint at step 5: steps 6 and 7 were executed
     (and could have been logged), so they are charged although the checkpoint does not hold them, and the resumed
@@ -200,6 +202,7 @@ def test_resume_of_a_finished_checkpoint_reports_what_was_spent(tmp_path):
     assert again.epsilon == dp.epsilon > 0
 
 
+@pytest.mark.slow
 def test_resume_with_other_targets_continues_the_composition(tmp_path):
     """The reviewer's case: a target moved up (from 2.0 to 3.0, with delta halved). The history is kept whatever the new
     arguments; the epsilon reported is that of every step ever taken, at the current delta."""
@@ -223,6 +226,7 @@ def test_resume_with_other_targets_continues_the_composition(tmp_path):
             ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
 
 
+@pytest.mark.slow
 def test_resume_with_another_method_or_without_the_ledger_is_refused(tmp_path):
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     dp = OSODP(target_epsilon=2.0, target_delta=1e-4, seed=1)
@@ -260,7 +264,7 @@ _KILLED_RUN = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from conftest import ToyModel, make_trainer, toy_loader
+    from helpers import ToyModel, make_trainer, toy_loader
     from lightning_oso import OSODP
 
     class Released(L.Callback):
@@ -277,6 +281,7 @@ _KILLED_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_after_the_last_checkpoint_is_charged_on_resume(tmp_path):
     """A process killed with SIGKILL at step 13, its last checkpoint at step 10: the steps whose outputs left the
     process (printed here) are all in the ledger, and the resume from step 10 charges them and stops at the budget
@@ -298,6 +303,7 @@ def test_kill_9_after_the_last_checkpoint_is_charged_on_resume(tmp_path):
     assert len(read_ledger(ledger)["steps"]) == 33
 
 
+@pytest.mark.slow
 def test_a_crash_that_spent_the_budget_stops_the_resume(tmp_path):
     """The budget stop counts the ledger's steps: the process took 6 of the 9 steps the budget allows and died;
     resumed from its checkpoint at step 2, the run may take only the 3 steps left (not 7), then stops."""

@@ -3,11 +3,9 @@ regression constants, and PURDP end to end (budget, noise, step size, resume, re
 
 import math
 
-import lightning.pytorch as L
 import pytest
 import torch
-from conftest import make_trainer
-from torch import nn
+from helpers import Logistic, make_pur, make_trainer, pur_data
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -116,41 +114,14 @@ def test_synthetic_data_follows_the_paper():
     assert float((y[~positive_side] == 1).float().mean()) == pytest.approx(0.1, abs=0.01)
 
 
-class Logistic(L.LightningModule):
-    def __init__(self, d, regularisation=0.0, lr=1.0, momentum=0.0, zero_loss=False):
-        super().__init__()
-        self.theta = nn.Linear(d, 1, bias=False)
-        nn.init.zeros_(self.theta.weight)
-        self.regularisation, self.lr, self.momentum, self.zero_loss = regularisation, lr, momentum, zero_loss
-
-    def training_step(self, batch, batch_idx):
-        z, y = batch
-        loss = F.softplus(-y * self.theta(z).squeeze(1)).mean()
-        return 0.0 * loss if self.zero_loss else loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum,
-                               weight_decay=self.regularisation)
-
-
-def _data(n=120, d=4):
-    z, y = schedules.synthetic_classification(n, d, 0.1, seed=1)
-    return TensorDataset(schedules.clip_feature_norms(z, 1.0), y)
-
-
-def _pur(accountant="prv", epsilon=2.0, n=120, **kwargs):
-    constants = schedules.logistic_regression_constants(1.0, radius=5.0)
-    schedule = schedules.logistic_schedule(constants, 4)
-    return PURDP(schedule, constants.lipschitz, epsilon, 1 / n, accountant=accountant, seed=0, **kwargs), schedule
-
-
+@pytest.mark.slow
 def test_pur_trains_until_the_budget_is_spent_and_logs_the_schedule(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    dp, schedule = _pur()
+    dp, schedule = make_pur()
     model = Logistic(4)
     trainer = make_trainer([dp], max_epochs=100_000, logger=CSVLogger(tmp_path), log_every_n_steps=1)
-    trainer.fit(model, DataLoader(_data(), batch_size=120))
+    trainer.fit(model, DataLoader(pur_data(), batch_size=120))
     assert dp.stop_reason and dp.sample_rate == 1.0
     assert dp.epsilon <= 2.0
     # the next step of the schedule would overspend
@@ -164,8 +135,8 @@ def test_pur_trains_until_the_budget_is_spent_and_logs_the_schedule(tmp_path):
     stds = [float(row.split(",")[header.index("dp/noise_std")]) for row in logged[1:]
             if row.split(",")[header.index("dp/noise_std")]]
     assert stds[:3] == pytest.approx(schedule.noise_stds(1, 3), rel=1e-6)
-    zcdp, _ = _pur(accountant="zcdp")
-    make_trainer([zcdp], max_epochs=100_000).fit(Logistic(4), DataLoader(_data(), batch_size=120))
+    zcdp, _ = make_pur(accountant="zcdp")
+    make_trainer([zcdp], max_epochs=100_000).fit(Logistic(4), DataLoader(pur_data(), batch_size=120))
     assert zcdp.steps < dp.steps  # the exact accounting allows more steps than the paper's zCDP
 
 
@@ -183,26 +154,27 @@ def test_pur_noise_has_the_scheduled_std():
 
 
 def test_pur_refuses_minibatches_and_momentum():
-    dp, _ = _pur()
+    dp, _ = make_pur()
     with pytest.raises(PrivacyConfigurationError, match="full-batch .* batch_size=len"):
-        make_trainer([dp], max_epochs=5).fit(Logistic(4), DataLoader(_data(), batch_size=30))
-    dp, _ = _pur()
+        make_trainer([dp], max_epochs=5).fit(Logistic(4), DataLoader(pur_data(), batch_size=30))
+    dp, _ = make_pur()
     with pytest.raises(PrivacyConfigurationError, match="without momentum"):
-        make_trainer([dp], max_epochs=5).fit(Logistic(4, momentum=0.9), DataLoader(_data(), batch_size=120))
+        make_trainer([dp], max_epochs=5).fit(Logistic(4, momentum=0.9), DataLoader(pur_data(), batch_size=120))
     with pytest.raises(PrivacyConfigurationError, match="accountant must be one of"):
-        _pur(accountant="rdp")
+        make_pur(accountant="rdp")
     with pytest.raises(PrivacyConfigurationError, match="PURSchedule"):
         PURDP("convex", 1.0, 1.0)
 
 
+@pytest.mark.slow
 def test_pur_composes_with_an_earlier_history():
     """A shared accountant: the budget covers the earlier full-batch run too."""
     accountant = PrivacyAccountant(1 / 120, "prv")
     accountant.step(20.0, 1.0, 5)
-    dp, _ = _pur(accountant=accountant)
-    make_trainer([dp], max_epochs=100_000).fit(Logistic(4), DataLoader(_data(), batch_size=120))
-    alone, _ = _pur()
-    make_trainer([alone], max_epochs=100_000).fit(Logistic(4), DataLoader(_data(), batch_size=120))
+    dp, _ = make_pur(accountant=accountant)
+    make_trainer([dp], max_epochs=100_000).fit(Logistic(4), DataLoader(pur_data(), batch_size=120))
+    alone, _ = make_pur()
+    make_trainer([alone], max_epochs=100_000).fit(Logistic(4), DataLoader(pur_data(), batch_size=120))
     assert dp.steps == accountant.steps and dp.epsilon <= 2.0
     assert dp.steps - 5 < alone.steps
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from conftest import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import FixedThresholdDP, OSODP, PrivacyConfigurationError, compute_epsilon
 from lightning_oso.search import (
     HonestGridSearch,

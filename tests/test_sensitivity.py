@@ -25,7 +25,7 @@ from typing import Callable
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import make_trainer
+from helpers import make_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
