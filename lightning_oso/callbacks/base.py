@@ -1,15 +1,17 @@
-"""DPCallback: what every DP method shares (arguments and their validation, wiring into the trainer, the
-ledger, accounting, budget stop, logging, and the state that must survive a resume), and the text of the shared
-arguments each method's docstring carries. The planning (noise calibration, step budget) is ``planning``; the
-private Lightning attributes it needs are ``_compat``.
+"""DPCallback: what every DP method shares (arguments and their validation, wiring into the trainer,
+accounting, budget stop, logging, and the state that must survive a resume). The planning (noise calibration,
+step budget) is ``planning``; the run's sessions and its ledger are ``_session``; the text of the shared arguments
+is ``_docs``; the private Lightning attributes it needs are ``_compat``.
+
+Over 400 lines for a stated reason: its ``__init__`` still validates the nine shared arguments by hand (about 60
+lines); shared ``check_*`` helpers (``validation``) will take them over.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,8 +24,9 @@ from typing_extensions import override
 from lightning_oso import _compat, planning
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
 from lightning_oso.clipping import ClippingRule
-from lightning_oso.ledger import LedgerError, PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
-from lightning_oso.randomness import RunRandomness, os_nonce
+from lightning_oso.callbacks._docs import _document_shared_args
+from lightning_oso.callbacks._session import LedgerSession
+from lightning_oso.randomness import RunRandomness
 from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     PrivacyConfigurationError,
@@ -33,55 +36,12 @@ from lightning_oso.validation import (
     validate_trainer,
 )
 
-_SHARED_ARGS_DOC = """target_epsilon: the privacy budget epsilon; training never spends more.
-        target_delta: the delta of the guarantee; should be well below ``1/len(dataset)`` (a warning says so).
-        noise_multiplier: ``nu``, per step. ``None`` (default): calibrate the smallest ``nu`` whose epsilon after
-            the planned number of steps (``max_epochs`` or ``max_steps``) meets the budget. A number: use it and
-            train until the budget is spent.
-        accountant: ``"prv"`` (default; PRV accountant, with RDP as a fallback where it fails), ``"rdp"``, or a
-            :class:`~lightning_oso.PrivacyAccountant` whose history this run continues (e.g. the earlier runs of a
-            grid search): the budget then covers that history and this run together.
-        loss_reduction: how ``training_step``'s loss reduces over the batch: ``"mean"`` (default) or ``"sum"``.
-        seed: the root of the run's randomness (an int, or a numpy ``SeedSequence``): the Poisson sampling and the
-            noise of every step come from streams derived from it (per purpose, process and step). ``None``
-            (default): 128 bits from the operating system, so no two runs share noise (``seed_everything`` does
-            not make the noise reproducible: pass ``seed``). A seed names a run: two runs given the same seed draw
-            the same noise and batches, and releasing both would cancel the noise: reuse a seed only to reproduce
-            a run, never for another run on the same data (searches give each run its own streams).
-        log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``, ``nonprivate/grad_norm_median``,
-            ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are computed from raw per-sample
-            gradients and are **not** differentially private; off by default.
-        grad_sample_mode: how the per-sample gradient norms and sums are computed. ``"book_keeping"`` (default):
-            ghost norms and book-keeping sums from each layer's input and output gradient, per-sample gradients
-            instantiated only where that is cheaper (fast, little memory; see ``lightning_oso.book_keeping``).
-            ``"hooks"``: Opacus' hooks instantiate every per-sample gradient (the reference path). Same results up to
-            float rounding, same privacy.
-        secure_rng: draw the Poisson sampling and the Gaussian noise from the operating system's cryptographically
-            secure generator (``os.urandom``) instead of torch's seeded ones, so that nobody who learns a seed or a
-            generator state can predict (and subtract) the noise. Not reproducible, cannot be combined with
-            ``seed``; noise draws about 10x slower on CPU (``benchmarks/noise_generation.py``).
-        ledger_path: where the write-ahead privacy ledger goes: one line per executed step, written before the
-            step's output can leave the process, so a resume charges every step ever executed, also those after the
-            last checkpoint of a run that crashed. ``None`` (default):
-            ``<default_root_dir>/privacy_ledger/<run id>.jsonl``; a path: that file (a resume from a moved checkpoint
-            must point to the run's ledger); ``False``: no ledger (a resume then charges only what the checkpoint
-            holds; warned).
-        deterministic_resume: resume with the randomness of the uninterrupted run (same seed, streams keyed on the
-            step alone), so a resumed run repeats it bit for bit. Off by default: a resume (and a second ``fit``)
-            then draws fresh streams, keyed on a nonce from the operating system. **Risk:** with it on, two runs
-            resumed from one checkpoint (branches, e.g. with another learning rate) draw the *same* noise and
-            batches, and releasing both cancels the noise."""
-
-
-def _document_shared_args(cls: type) -> type:
-    """Put the arguments every DP callback shares into the class docstring (one text, four classes)."""
-    if cls.__doc__:  # None under python -OO
-        cls.__doc__ = cls.__doc__.replace("{shared}", _SHARED_ARGS_DOC)
-    return cls
+if TYPE_CHECKING:
+    from lightning_oso.ledger import PrivacyLedger
 
 
 @_document_shared_args
-class DPCallback(Callback):
+class DPCallback(LedgerSession, Callback):
     r"""What every DP method shares: Poisson sampling, per-sample clipping and noise through :class:`DPStrategy`
     (or :class:`~lightning_oso.DPDDPStrategy` on several processes), accounting, the budget stop, logging and
     resume. A method subclasses it and implements :meth:`make_rule` (and, if it has optimizer restrictions,
@@ -319,76 +279,6 @@ class DPCallback(Callback):
             )
         self._begin_session(trainer)
         self._strategy.attach_hooks()
-
-    def _begin_session(self, trainer: Trainer) -> None:
-        """Open the run's ledger, draw this session's nonce and connect the ledger to the private step: before the
-        training loader is made (its sampler draws from streams keyed on the session and the step counter)."""
-        if self._restored is not None:
-            self._charge_ledger(trainer)
-        first = self._sessions == 0  # the run's first fit, not a resume or a second fit
-        if first and self._run_id is None:
-            self._run_id = trainer.strategy.broadcast(new_run_id())
-        if self.secure_rng:
-            randomness = "secure"
-        elif self.deterministic_resume or first:
-            randomness = "seeded" if first else "replay"
-            self._randomness.begin_session(0)
-        else:
-            randomness = "fresh"  # a resume never replays: a nonce no earlier session had
-            self._randomness.begin_session(trainer.strategy.broadcast(os_nonce()))
-        if trainer.is_global_zero and self.ledger_path is not False:
-            path = self._ledger_file_path(trainer)
-            if self._ledger_file is None or self._ledger_file.path != path:
-                self._ledger_file = PrivacyLedger(path, self._run_id, prior=[tuple(s) for s in self.accountant.history])
-            self._ledger_file.begin_session(self._sessions, self.accountant.steps, randomness)
-        elif self.ledger_path is False and first:
-            rank_zero_warn(
-                f"{type(self).__name__}(ledger_path=False): no write-ahead privacy ledger. If the process dies after "
-                "its last checkpoint, the steps it took since cannot be charged on resume."
-            )
-        self._sessions += 1
-        self._strategy.ledger = RunLedger(self.accountant, self._ledger_file, self._step_mechanism)
-
-    def _ledger_file_path(self, trainer: Trainer) -> Path:
-        if self.ledger_path not in (None, False):
-            return Path(self.ledger_path)
-        if self._restored is not None and self._checkpoint_ledger is not None:
-            return Path(self._checkpoint_ledger)
-        return Path(trainer.default_root_dir) / "privacy_ledger" / f"{self._run_id}.jsonl"
-
-    def _charge_ledger(self, trainer: Trainer) -> None:
-        """On a resume: every step the run's ledger holds is charged, also those executed after the checkpoint was
-        written (a process that died after it, a branch resumed from it before). Read on rank 0, shared with all."""
-        history = None
-        if trainer.is_global_zero and self.ledger_path is not False and self._checkpoint_ledger is not None:
-            path = self._ledger_file_path(trainer)
-            if not path.exists():
-                raise PrivacyConfigurationError(
-                    f"the checkpoint's privacy ledger {path} is missing, so the steps taken after the checkpoint was "
-                    "written cannot be charged. Pass ledger_path=<the run's ledger file> (e.g. if the checkpoint was "
-                    "moved), or ledger_path=False to charge only the checkpoint's own history"
-                )
-            try:
-                contents = read_ledger(path)
-            except LedgerError as err:
-                raise PrivacyConfigurationError(str(err)) from err
-            if contents["run"] != self._run_id:
-                raise PrivacyConfigurationError(f"the privacy ledger {path} belongs to another run than the checkpoint")
-            history = ledger_history(contents)
-        history = trainer.strategy.broadcast(history)
-        if history is not None and sum(s for *_, s in history) > self.accountant.steps:
-            extra = sum(s for *_, s in history) - self.accountant.steps
-            rank_zero_warn(
-                f"{type(self).__name__}: the run's privacy ledger holds {extra} step(s) executed after this "
-                "checkpoint was written (a process that stopped before its next checkpoint, or another branch "
-                "resumed from it): they are charged"
-            )
-            self.accountant.history = [list(s) for s in history]
-            self._epsilon_cache = None
-
-    def _step_mechanism(self) -> tuple[float, float]:
-        """``(nu, q)`` of the step being released (captured when the batch started)."""
-        return self._step_noise_multiplier, self._strategy.sample_rate
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

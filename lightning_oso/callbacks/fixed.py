@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_oso.accounting import PrivacyAccountant
-from lightning_oso.callbacks.base import DPCallback, _document_shared_args
+from lightning_oso.callbacks._docs import _document_shared_args
+from lightning_oso.callbacks.base import DPCallback
 from lightning_oso.clipping import ClippingRule, FixedThresholdClipping
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.validation import check_number

@@ -7,7 +7,8 @@ import os
 import torch
 
 from lightning_oso.accounting import PrivacyAccountant
-from lightning_oso.callbacks.base import DPCallback, _document_shared_args
+from lightning_oso.callbacks._docs import _document_shared_args
+from lightning_oso.callbacks.base import DPCallback
 from lightning_oso.clipping import FixedQuantileClipping
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.validation import PrivacyConfigurationError, check_number
