@@ -22,9 +22,12 @@ from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.schedules import PURSchedule
 from lightning_oso.search import HonestGridSearch, SearchResult
 from lightning_oso.strategy import DPStrategy
-from lightning_oso.validation import PrivacyConfigurationError
+from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused
 
 __all__ = [
+    "AccountingError",
+    "LedgerError",
+    "PrivateStepRefused",
     "OSODP",
     "ClippingRule",
     "DPAdamWOSM",

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from lightning_oso.errors import AccountingError
+
 Segment = tuple[float, float, int]
 
 #: Default ratio ``nu_q / nu`` of the direction query's noise multiplier (OSO paper, "Privacy Analysis": a 1%
@@ -33,10 +35,6 @@ FULL_BATCH_ACCOUNTANTS = ("zcdp",)
 
 #: Maximum error in epsilon of the PRV accountant; its *upper* bound (estimate + error) is what we report.
 PRV_EPS_ERROR = 0.01
-
-
-class AccountingError(RuntimeError):
-    """An accountant could not produce a valid bound for the requested composition."""
 
 
 def _normalise(history: Iterable[Segment]) -> tuple[Segment, ...]:

@@ -29,13 +29,10 @@ import uuid
 from pathlib import Path
 
 from lightning_oso.accounting import Segment
+from lightning_oso.errors import LedgerError
 
 FORMAT = "lightning_oso"
 VERSION = 1
-
-
-class LedgerError(RuntimeError):
-    """The ledger file cannot be read as a lightning_oso privacy ledger (or belongs to another run)."""
 
 
 def new_run_id() -> str:

@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_oso import _compat, checks, private_step
 from lightning_oso.book_keeping import BookKeeping
 from lightning_oso.data import poisson_loader
+from lightning_oso.errors import PrivateStepRefused
 from lightning_oso.randomness import NOISE, RunRandomness
 
 #: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
@@ -270,8 +271,8 @@ class PrivateTraining:
     def _refuse_step(self, nonfinite: int, size: int) -> None:
         step = self.lightning_module.trainer.global_step
         if nonfinite:
-            raise FloatingPointError(_NON_FINITE.format(count=nonfinite, size=size, step=step))
-        raise FloatingPointError(
+            raise PrivateStepRefused(_NON_FINITE.format(count=nonfinite, size=size, step=step))
+        raise PrivateStepRefused(
             f"training step {step} was refused by another process (non-finite per-sample gradients; its error says "
             "more): no process applied it"
         )

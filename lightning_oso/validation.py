@@ -1,20 +1,22 @@
-"""Checks that refuse a model, optimizer or trainer configuration the private step cannot make private.
+"""Checks that refuse a model, optimizer or trainer configuration the private step cannot make private, and the
+``check_*`` helpers every public constructor uses for its arguments.
 
-Each check raises before any training data is touched, with a message that names what is wrong and what to do.
+Each check raises a :class:`~lightning_oso.errors.PrivacyConfigurationError` before any training data is touched,
+with a message that names what is wrong and what to do.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Iterable
 
+import numpy as np
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-
-class PrivacyConfigurationError(ValueError):
-    """The run, as configured, cannot be trained with the promised differential privacy."""
+from lightning_oso.errors import PrivacyConfigurationError
 
 
 _NORM_FIX = (
@@ -95,30 +97,75 @@ def validate_optimization(pl_module, optimizers) -> None:
             raise PrivacyConfigurationError(f"the optimizer's learning rate must be positive and finite, got {lr}")
 
 
-def check_number(name: str, value, positive: bool = False) -> float:
+# --- argument checks: each returns the value in its canonical type, or raises a PrivacyConfigurationError that
+# names the argument, what it must be, and what it got. Callers validate every argument before touching data.
+
+
+def _is_real(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_number(name: str, value: Any, positive: bool = False) -> float:
     """A finite real number (positive, or non-negative), returned as float; else an error naming the argument."""
     kind = "positive" if positive else "non-negative"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-        value <= 0 if positive else value < 0
-    ):
+    if not _is_real(value) or not math.isfinite(value) or (value <= 0 if positive else value < 0):
         raise PrivacyConfigurationError(f"{name} must be a {kind} finite number, got {value!r}")
     return float(value)
 
 
-def check_budget_arguments(target_epsilon, target_delta, noise_multiplier) -> None:
-    if target_epsilon is None or isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
+def check_positive(name: str, value: Any) -> float:
+    """A positive finite real number, as float."""
+    return check_number(name, value, positive=True)
+
+
+def check_open_interval(name: str, value: Any, low: float, high: float, hint: str = "") -> float:
+    """A real number strictly between ``low`` and ``high``, as float (``hint`` says what the argument means)."""
+    if not _is_real(value) or not low < value < high:
+        raise PrivacyConfigurationError(f"{name} must lie in ({low:g}, {high:g}){hint}, got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: Any, minimum: int = 0) -> int:
+    """An integer (not a bool) at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise PrivacyConfigurationError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Exactly ``True`` or ``False`` (a truthy string or number is refused: it is usually a misplaced argument)."""
+    if not isinstance(value, bool):
+        raise PrivacyConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    """One of ``choices`` (the ``Literal`` values of the argument's type)."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise PrivacyConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: Any) -> Callable:
+    if not callable(value):
+        raise PrivacyConfigurationError(f"{name} must be callable, got {type(value).__name__}")
+    return value
+
+
+def check_budget_arguments(target_epsilon: Any, target_delta: Any, noise_multiplier: Any) -> None:
+    """The privacy budget ``(target_epsilon, target_delta)`` and an optional fixed ``noise_multiplier``."""
+    if target_epsilon is None or not _is_real(target_epsilon):
         raise PrivacyConfigurationError(
             f"target_epsilon must be a positive number (the privacy budget), got {target_epsilon!r}"
         )
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise PrivacyConfigurationError(f"target_epsilon must be positive and finite, got {target_epsilon!r}")
-    if isinstance(target_delta, bool) or not isinstance(target_delta, (int, float)) or not 0 < target_delta < 1:
-        raise PrivacyConfigurationError(f"target_delta must lie in (0, 1), got {target_delta!r}")
-    if noise_multiplier is not None:
-        if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or not (
-            math.isfinite(noise_multiplier) and noise_multiplier > 0
-        ):
-            raise PrivacyConfigurationError(
-                f"noise_multiplier must be a positive finite number or None (calibrate it from the budget), "
-                f"got {noise_multiplier!r}"
-            )
+    check_open_interval("target_delta", target_delta, 0, 1)
+    if noise_multiplier is not None and (
+        not _is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier > 0)
+    ):
+        raise PrivacyConfigurationError(
+            f"noise_multiplier must be a positive finite number or None (calibrate it from the budget), "
+            f"got {noise_multiplier!r}"
+        )
