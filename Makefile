@@ -4,12 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast lint docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# constraints pin the tested versions; torch==2.13.0+cpu comes from the machine's local wheel
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,examples]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,examples,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,5 +25,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+# what .ci/run checks besides the tests: lint and format (ruff), types (mypy, on lightning_oso/)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_oso tests examples benchmarks
+	$(VENV)/bin/ruff format --check lightning_oso tests examples benchmarks
+	$(VENV)/bin/mypy
+
+# the documentation site (user guide, algorithms page, API reference from the docstrings) into site/;
+# --strict turns every warning (a broken link, a docstring that does not parse) into an error
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) lightning_logs
+	rm -rf $(VENV) lightning_logs site

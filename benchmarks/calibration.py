@@ -28,9 +28,15 @@ def calibration_times(steps_list: list[int], opacus_max_steps: int = 10_000) -> 
         accounting._prv_bounds_cached.cache_clear()
         start = time.perf_counter()
         nu = accounting.calibrate_noise_multiplier(epsilon, delta, q, steps)
-        row = {"steps": steps, "sample_rate": round(q, 5), "epsilon": epsilon, "delta": delta,
-               "noise_multiplier": nu, "seconds": time.perf_counter() - start,
-               "epsilon_check": accounting.compute_epsilon([(nu, q, steps)], delta)}
+        row = {
+            "steps": steps,
+            "sample_rate": round(q, 5),
+            "epsilon": epsilon,
+            "delta": delta,
+            "noise_multiplier": nu,
+            "seconds": time.perf_counter() - start,
+            "epsilon_check": accounting.compute_epsilon([(nu, q, steps)], delta),
+        }
         if steps <= opacus_max_steps:
             from opacus.accountants.utils import get_noise_multiplier
 
@@ -38,8 +44,13 @@ def calibration_times(steps_list: list[int], opacus_max_steps: int = 10_000) -> 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 row["opacus_noise_multiplier"] = get_noise_multiplier(
-                    target_epsilon=epsilon, target_delta=delta, sample_rate=q, steps=steps, accountant="prv",
-                    epsilon_tolerance=0.01)
+                    target_epsilon=epsilon,
+                    target_delta=delta,
+                    sample_rate=q,
+                    steps=steps,
+                    accountant="prv",
+                    epsilon_tolerance=0.01,
+                )
             row["opacus_seconds"] = time.perf_counter() - start
         rows.append(row)
     return rows

@@ -44,12 +44,19 @@ def main() -> None:
             times[name]["normal"].append(_time(lambda: standard_normal_like(like, gen), args.device))
             cpu_gen = gen if name == "secure" else torch.Generator().manual_seed(0)
             times[name]["poisson_mask"].append(_time(lambda: uniform(60_000, cpu_gen) < 0.004, "cpu"))
-    result = {"numbers": args.numbers, "device": args.device, "median_ms": {
-        name: {what: 1e3 * statistics.median(v[1:]) for what, v in kinds.items()} for name, kinds in times.items()}}
+    result = {
+        "numbers": args.numbers,
+        "device": args.device,
+        "median_ms": {
+            name: {what: 1e3 * statistics.median(v[1:]) for what, v in kinds.items()} for name, kinds in times.items()
+        },
+    }
     print(f"{'generator':<10}{'normal draws (ms)':>20}{'ns / number':>14}{'Poisson mask, N=60000 (ms)':>30}")
     for name, kinds in result["median_ms"].items():
-        print(f"{name:<10}{kinds['normal']:>20.2f}{1e6 * kinds['normal'] / args.numbers:>14.2f}"
-              f"{kinds['poisson_mask']:>30.3f}")
+        print(
+            f"{name:<10}{kinds['normal']:>20.2f}{1e6 * kinds['normal'] / args.numbers:>14.2f}"
+            f"{kinds['poisson_mask']:>30.3f}"
+        )
     ratio = result["median_ms"]["secure"]["normal"] / result["median_ms"]["torch"]["normal"]
     result["secure_to_torch_normal"] = ratio
     print(f"secure / torch (normal draws): {ratio:.1f}x")

@@ -26,9 +26,9 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import MODELS, synthetic_data  # noqa: E402
+from overhead import MODELS, synthetic_data
 
-from lightning_oso.book_keeping import BookKeeping  # noqa: E402
+from lightning_oso.book_keeping import BookKeeping
 
 
 def _load(path: str):
@@ -76,8 +76,10 @@ def main() -> None:
     versions = {"this": BookKeeping}
     if args.compare:
         versions = {"compared": _load(args.compare), "this": BookKeeping}
-    print(f"package: {Path(lightning_oso.__file__).parent}, torch {torch.__version__}, threads {torch.get_num_threads()}"
-          f"{', compared: ' + args.compare if args.compare else ''}; minimum of {args.repeats} repeats, ms")
+    print(
+        f"package: {Path(lightning_oso.__file__).parent}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+        f"{', compared: ' + args.compare if args.compare else ''}; minimum of {args.repeats} repeats, ms"
+    )
     header = " | ".join(f"{name} {what}" for name in versions for what in ("fwd+bwd", "norms()"))
     print(f"| model | B | {header} |")
     print("| --- | --- |" + " --- |" * (2 * len(versions)))

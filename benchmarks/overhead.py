@@ -46,9 +46,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibration import calibration_times  # noqa: E402
+from calibration import calibration_times
 
-from lightning_oso import FixedThresholdDP, OSODP  # noqa: E402
+from lightning_oso import OSODP, FixedThresholdDP
 
 OURS = ("non_private", "fixed_clip", "oso", "oso_hooks")
 OPACUS = ("torch_non_private", "opacus_hooks", "opacus_ghost")
@@ -64,9 +64,16 @@ class DemoCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, stride=1),
-            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 2 * 2, 32), nn.ReLU(), nn.Linear(32, 10),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2, stride=1),
+            nn.Conv2d(16, 32, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 2 * 2, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
         )
 
     def forward(self, x):
@@ -99,10 +106,17 @@ class TransformerEncoder(nn.Module):
         self.positions = nn.Embedding(self.seq_len, self.d)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
-            self.blocks.append(nn.ModuleDict({
-                "ln1": nn.LayerNorm(self.d), "attn": DPMultiheadAttention(self.d, 4, batch_first=True),
-                "ln2": nn.LayerNorm(self.d), "ff1": nn.Linear(self.d, 2 * self.d), "ff2": nn.Linear(2 * self.d, self.d),
-            }))
+            self.blocks.append(
+                nn.ModuleDict(
+                    {
+                        "ln1": nn.LayerNorm(self.d),
+                        "attn": DPMultiheadAttention(self.d, 4, batch_first=True),
+                        "ln2": nn.LayerNorm(self.d),
+                        "ff1": nn.Linear(self.d, 2 * self.d),
+                        "ff2": nn.Linear(2 * self.d, self.d),
+                    }
+                )
+            )
         self.ln = nn.LayerNorm(self.d)
         self.head = nn.Linear(self.d, self.classes)
 
@@ -128,8 +142,15 @@ class GroupNormCNN(nn.Module):
             return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(8, c_out), nn.ReLU()]
 
         self.net = nn.Sequential(
-            *block(3, 32), *block(32, 32), nn.MaxPool2d(2), *block(32, 64), *block(64, 64), nn.MaxPool2d(2),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+            *block(3, 32),
+            *block(32, 32),
+            nn.MaxPool2d(2),
+            *block(32, 64),
+            *block(64, 64),
+            nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
         )
 
     def forward(self, x):
@@ -194,9 +215,18 @@ def run_lightning(variant: str, model_name: str, batch_size: int, steps: int, de
     elif variant == "fixed_clip":
         callbacks.append(FixedThresholdDP(clip=1.0, **dp))
     loader = DataLoader(synthetic_data(model_cls, 50 * batch_size), batch_size=batch_size, shuffle=True)
-    trainer = L.Trainer(max_steps=steps, accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
-                        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="gpu" if device.startswith("cuda") else "cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(_Module(model_cls()), loader)
@@ -219,11 +249,18 @@ def run_torch(variant: str, model_name: str, batch_size: int, steps: int, device
             warnings.simplefilter("ignore")
             if variant == "opacus_ghost":
                 model, optimizer, criterion, _ = engine.make_private(
-                    module=model, optimizer=optimizer, data_loader=loader, criterion=criterion,
-                    noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost")
+                    module=model,
+                    optimizer=optimizer,
+                    data_loader=loader,
+                    criterion=criterion,
+                    noise_multiplier=1.0,
+                    max_grad_norm=1.0,
+                    grad_sample_mode="ghost",
+                )
             else:
                 model, optimizer, _ = engine.make_private(
-                    module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+                    module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
+                )
     times = []
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -256,7 +293,9 @@ def peak_memory_mb(variant: str, model_name: str, batch_size: int, steps: int, d
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     out = subprocess.run(
         [sys.executable, __file__, "--_memory-probe", variant, model_name, str(batch_size), str(steps)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -298,17 +337,26 @@ def write_report(result: dict, out: Path) -> None:
     for row in result["rows"]:
         mem = f"{row['memory_mb']:.0f}" if row.get("memory_mb") is not None else "-"
         mem_ratio = f"{row['memory_ratio']:.2f}" if row.get("memory_ratio") is not None else "-"
-        lines.append(f"| {row['model']} | {row['batch_size']} | {row['variant']} | {row['median_ms']:.2f} | "
-                     f"{row['time_ratio']:.2f} | {mem} | {mem_ratio} |")
+        lines.append(
+            f"| {row['model']} | {row['batch_size']} | {row['variant']} | {row['median_ms']:.2f} | "
+            f"{row['time_ratio']:.2f} | {mem} | {mem_ratio} |"
+        )
     lines += ["", "## Goals", ""]
     for goal in result["goals"]:
         lines.append(f"- {'met' if goal['met'] else '**missed**'}: {goal['goal']} ({goal['value']})")
-    lines += ["", "## Noise calibration", "", "| T | q | epsilon | nu | ours (s) | Opacus get_noise_multiplier (s) |",
-              "|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Noise calibration",
+        "",
+        "| T | q | epsilon | nu | ours (s) | Opacus get_noise_multiplier (s) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in result["calibration"]:
         opacus = f"{c['opacus_seconds']:.1f}" if c.get("opacus_seconds") is not None else "-"
-        lines.append(f"| {c['steps']} | {c['sample_rate']} | {c['epsilon']} | {c['noise_multiplier']:.4f} | "
-                     f"{c['seconds']:.2f} | {opacus} |")
+        lines.append(
+            f"| {c['steps']} | {c['sample_rate']} | {c['epsilon']} | {c['noise_multiplier']:.4f} | "
+            f"{c['seconds']:.2f} | {opacus} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(result, out.with_suffix(".png"))
 
@@ -324,8 +372,10 @@ def _plot(result: dict, path: Path) -> None:
     variants = [v for v in VARIANTS if v not in ("non_private", "torch_non_private")]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(keys)), 7), sharex=True)
     width = 0.8 / len(variants)
-    for metric, ax, label in (("time_ratio", axes[0], "step time / non-private"),
-                              ("memory_ratio", axes[1], "peak memory / non-private")):
+    for metric, ax, label in (
+        ("time_ratio", axes[0], "step time / non-private"),
+        ("memory_ratio", axes[1], "peak memory / non-private"),
+    ):
         for j, variant in enumerate(variants):
             values = []
             for key in keys:
@@ -356,19 +406,38 @@ def _goals(rows: list[dict]) -> list[dict]:
     for model, batch in keys:
         oso, fixed, hooks = get(model, batch, "oso"), get(model, batch, "fixed_clip"), get(model, batch, "opacus_hooks")
         if model in ("mlp", "transformer"):
-            goals.append({"goal": f"{model} B={batch}: OSO step <= 1.3x non-private", "met": oso["time_ratio"] <= 1.3,
-                          "value": f"{oso['time_ratio']:.2f}x"})
+            goals.append(
+                {
+                    "goal": f"{model} B={batch}: OSO step <= 1.3x non-private",
+                    "met": oso["time_ratio"] <= 1.3,
+                    "value": f"{oso['time_ratio']:.2f}x",
+                }
+            )
             if oso.get("memory_ratio") is not None:
-                goals.append({"goal": f"{model} B={batch}: OSO peak memory <= 1.2x non-private",
-                              "met": oso["memory_ratio"] <= 1.2, "value": f"{oso['memory_ratio']:.2f}x"})
+                goals.append(
+                    {
+                        "goal": f"{model} B={batch}: OSO peak memory <= 1.2x non-private",
+                        "met": oso["memory_ratio"] <= 1.2,
+                        "value": f"{oso['memory_ratio']:.2f}x",
+                    }
+                )
         ratio = oso["median_ms"] / fixed["median_ms"]
-        goals.append({"goal": f"{model} B={batch}: OSO <= 1.05x our fixed-clip step", "met": ratio <= 1.05,
-                      "value": f"{ratio:.3f}x"})
+        goals.append(
+            {
+                "goal": f"{model} B={batch}: OSO <= 1.05x our fixed-clip step",
+                "met": ratio <= 1.05,
+                "value": f"{ratio:.3f}x",
+            }
+        )
         # each against its own framework's non-private step: ours carries Lightning's per-step cost, Opacus' not
-        goals.append({"goal": f"{model} B={batch}: OSO faster than Opacus hooks (time ratio to non-private)",
-                      "met": oso["time_ratio"] < hooks["time_ratio"],
-                      "value": f"{oso['time_ratio']:.2f}x vs {hooks['time_ratio']:.2f}x; "
-                               f"{oso['median_ms']:.2f} vs {hooks['median_ms']:.2f} ms"})
+        goals.append(
+            {
+                "goal": f"{model} B={batch}: OSO faster than Opacus hooks (time ratio to non-private)",
+                "met": oso["time_ratio"] < hooks["time_ratio"],
+                "value": f"{oso['time_ratio']:.2f}x vs {hooks['time_ratio']:.2f}x; "
+                f"{oso['median_ms']:.2f} vs {hooks['median_ms']:.2f} ms",
+            }
+        )
     return goals
 
 
@@ -381,8 +450,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--calibration-steps", nargs="+", type=int, default=[1000, 10_000, 100_000])
-    parser.add_argument("--opacus-calibration-max-steps", type=int, default=10_000,
-                        help="also time Opacus' get_noise_multiplier up to this T (it takes minutes at 1e5)")
+    parser.add_argument(
+        "--opacus-calibration-max-steps",
+        type=int,
+        default=10_000,
+        help="also time Opacus' get_noise_multiplier up to this T (it takes minutes at 1e5)",
+    )
     parser.add_argument("--quick", action="store_true", help="batch 64 only, 12 steps, 2 repeats")
     parser.add_argument("--out", default=None)
     parser.add_argument("--_memory-probe", nargs=4, help=argparse.SUPPRESS)
@@ -401,7 +474,7 @@ def main() -> None:
     started = time.perf_counter()
     for repeat in range(args.repeats):
         for m, b in keys:
-            order = VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]
+            order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
             for v in order:
                 times[(m, b, v)] += run(v, m, b, args.steps, args.device)[warmup:]
         print(f"repeat {repeat + 1}/{args.repeats} done after {time.perf_counter() - started:.0f} s", flush=True)
@@ -413,24 +486,37 @@ def main() -> None:
             memory = {v: peak_memory_mb(v, m, b, 8, args.device) for v in VARIANTS}
         for v in VARIANTS:
             base = "non_private" if v in OURS else "torch_non_private"
-            row = {"model": m, "batch_size": b, "variant": v, "median_ms": 1e3 * medians[v],
-                   "time_ratio": medians[v] / medians[base], "steps_timed": len(times[(m, b, v)])}
+            row = {
+                "model": m,
+                "batch_size": b,
+                "variant": v,
+                "median_ms": 1e3 * medians[v],
+                "time_ratio": medians[v] / medians[base],
+                "steps_timed": len(times[(m, b, v)]),
+            }
             if memory:
                 row["memory_mb"] = memory[v]
                 row["memory_ratio"] = memory[v] / memory[base] if memory[base] > 0 else None
             rows.append(row)
-            print(f"{m:>14} B={b:<5} {v:<18} {row['median_ms']:9.2f} ms  {row['time_ratio']:6.2f}x"
-                  + (f"  {row['memory_mb']:8.1f} MB  {row['memory_ratio'] or float('nan'):5.2f}x" if memory else ""),
-                  flush=True)
+            print(
+                f"{m:>14} B={b:<5} {v:<18} {row['median_ms']:9.2f} ms  {row['time_ratio']:6.2f}x"
+                + (f"  {row['memory_mb']:8.1f} MB  {row['memory_ratio'] or float('nan'):5.2f}x" if memory else ""),
+                flush=True,
+            )
     calibration = calibration_times(args.calibration_steps, opacus_max_steps=args.opacus_calibration_max_steps)
     for c in calibration:
-        print(f"calibration T={c['steps']:>6}: {c['seconds']:.2f} s (nu={c['noise_multiplier']:.4f})"
-              + (f", Opacus {c['opacus_seconds']:.1f} s" if c.get("opacus_seconds") is not None else ""))
+        print(
+            f"calibration T={c['steps']:>6}: {c['seconds']:.2f} s (nu={c['noise_multiplier']:.4f})"
+            + (f", Opacus {c['opacus_seconds']:.1f} s" if c.get("opacus_seconds") is not None else "")
+        )
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {
         "device": args.device if device_name == "cpu" else f"{args.device} ({device_name})",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "steps": args.steps - warmup, "repeats": args.repeats, "rows": rows, "goals": _goals(rows),
+        "steps": args.steps - warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+        "goals": _goals(rows),
         "calibration": calibration,
     }
     out = Path(args.out or f"benchmarks/results/overhead_{args.device.split(':')[0]}")

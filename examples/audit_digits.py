@@ -20,14 +20,13 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
-from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from digits_oso import DigitsCNN, DigitsDataModule  # noqa: E402
+from digits_oso import DigitsCNN, DigitsDataModule
 
-from lightning_oso import OSODP  # noqa: E402
-from lightning_oso.audit import AuditedModule, CanaryAudit  # noqa: E402
+from lightning_oso import OSODP
+from lightning_oso.audit import AuditedModule, CanaryAudit
 
 
 def audit_once(epsilon: float, args: argparse.Namespace) -> dict:
@@ -40,8 +39,14 @@ def audit_once(epsilon: float, args: argparse.Namespace) -> dict:
     module = AuditedModule(network, audit.canaries, lr=args.lr)
     dp = OSODP(target_epsilon=epsilon, target_delta=args.delta, seed=args.seed)
     trainer = L.Trainer(
-        max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[dp], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[dp],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(audit.data(data.train_set), batch_size=args.batch_size))
     result = audit.result(module, dp.epsilon, args.delta)

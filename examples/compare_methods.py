@@ -34,10 +34,10 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import lightning.pytorch as L
 import numpy as np
@@ -83,19 +83,37 @@ def digits_splits(seed: int = 0):
 
 def digits_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, stride=1),
-        nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 2 * 2, 32), nn.ReLU(), nn.Linear(32, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(16, 32, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 2 * 2, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
     )
 
 
 def digits_autoencoder() -> nn.Module:
     """Conv encoder to a 32-d code and back (upsampling + conv: Opacus has per-sample gradients for these)."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(8 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 8 * 4 * 4), nn.ReLU(),
-        nn.Unflatten(1, (8, 4, 4)), nn.Upsample(scale_factor=2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 1, 3, padding=1), nn.Sigmoid(),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 8 * 4 * 4),
+        nn.ReLU(),
+        nn.Unflatten(1, (8, 4, 4)),
+        nn.Upsample(scale_factor=2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 1, 3, padding=1),
+        nn.Sigmoid(),
     )
 
 
@@ -110,19 +128,38 @@ def _mse_sum(recon, x):
 def mnist_cnn() -> nn.Module:
     """The CNN of Opacus' MNIST example (Conv 16x8x8 s2 - Conv 32x4x4 s2 - Linear 32 - Linear 10)."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10),
+        nn.Conv2d(1, 16, 8, stride=2, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
     )
 
 
 def fashion_autoencoder() -> nn.Module:
     """A convolutional autoencoder for 28x28 images (the paper's Fashion-MNIST task)."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(8 * 7 * 7, 32), nn.ReLU(), nn.Linear(32, 8 * 7 * 7), nn.ReLU(),
-        nn.Unflatten(1, (8, 7, 7)), nn.Upsample(scale_factor=2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-        nn.Upsample(scale_factor=2), nn.Conv2d(16, 1, 3, padding=1), nn.Sigmoid(),
+        nn.Conv2d(1, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 7 * 7, 32),
+        nn.ReLU(),
+        nn.Linear(32, 8 * 7 * 7),
+        nn.ReLU(),
+        nn.Unflatten(1, (8, 7, 7)),
+        nn.Upsample(scale_factor=2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Upsample(scale_factor=2),
+        nn.Conv2d(16, 1, 3, padding=1),
+        nn.Sigmoid(),
     )
 
 
@@ -211,8 +248,9 @@ def evaluate(model: Net, dataset: TensorDataset) -> float:
     return total / len(dataset)
 
 
-def train_once(task: Task, data, batch_size: int, epochs: int, lr: float, seed: int, callback=None,
-               optimizer: str = "sgd") -> dict:
+def train_once(
+    task: Task, data, batch_size: int, epochs: int, lr: float, seed: int, callback=None, optimizer: str = "sgd"
+) -> dict:
     """One configuration, one seed: train, validate every epoch, return the best validation score and the test
     score of the best checkpoint."""
     L.seed_everything(seed, verbose=False)
@@ -220,8 +258,14 @@ def train_once(task: Task, data, batch_size: int, epochs: int, lr: float, seed: 
     model = Net(task, lr, optimizer)
     best = BestCheckpoint(task.mode)
     trainer = L.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         callbacks=[best] + ([callback] if callback is not None else []),
     )
     trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=512))
@@ -302,27 +346,45 @@ def run_unit(unit: Unit, progress: bool = False) -> dict:
         runs = []
         for cand in candidates:
             for seed in unit.seeds:
-                runs.append({"candidate": cand, "seed": seed,
-                             **train_once(task, data, unit.batch_size, unit.epochs, cand["lr"], seed)})
-        means = [statistics.fmean(_finite(r["score"], task.mode) for r in runs if r["candidate"] == c)
-                 for c in candidates]
+                runs.append(
+                    {
+                        "candidate": cand,
+                        "seed": seed,
+                        **train_once(task, data, unit.batch_size, unit.epochs, cand["lr"], seed),
+                    }
+                )
+        means = [
+            statistics.fmean(_finite(r["score"], task.mode) for r in runs if r["candidate"] == c) for c in candidates
+        ]
         winner = max(range(len(candidates)), key=lambda i: means[i] if task.mode == "max" else -means[i])
         out.update(winner=candidates[winner], runs=runs, noise_multiplier=0.0, epsilon_spent=None)
     else:
+
         def train_fn(candidate, seed, dp):
             callback = make_callback(unit.method, candidate, dp)
             return train_once(task, data, unit.batch_size, unit.epochs, lr_of(candidate), seed, callback, optimizer)
 
         try:
-            search = HonestGridSearch(candidates, train_fn, unit.epsilon, unit.delta, unit.batch_size / n_train,
-                                      steps_per_run, seeds=unit.seeds, mode=task.mode, progress=progress,
-                                      seed=unit.dp_seed)
+            search = HonestGridSearch(
+                candidates,
+                train_fn,
+                unit.epsilon,
+                unit.delta,
+                unit.batch_size / n_train,
+                steps_per_run,
+                seeds=unit.seeds,
+                mode=task.mode,
+                progress=progress,
+                seed=unit.dp_seed,
+            )
             result = search.run()
         except PrivacyConfigurationError as err:
             out.update(refused=str(err), seconds=time.time() - started)
             return out
         out.update(
-            winner=result.winner, noise_multiplier=result.noise_multiplier, epsilon_spent=result.epsilon_spent,
+            winner=result.winner,
+            noise_multiplier=result.noise_multiplier,
+            epsilon_spent=result.epsilon_spent,
             report=result.report(),
             runs=[{"candidate": r.candidate, "seed": r.seed, "score": r.score, **r.metrics} for r in result.runs],
         )
@@ -383,15 +445,20 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
         "|---|---|---|---|---|---|---|---|",
     ]
     for eps in epsilons:
+
         def get(m, key):
             r = by.get((m, eps))
             return _hp(r["winner"][key]) if r and "winner" in r else "-"
 
-        nus = " / ".join(_hp(by[(m, eps)]["noise_multiplier"]) if (m, eps) in by and "noise_multiplier" in by[(m, eps)]
-                         else "-" for m in METHODS)
-        lines.append(f"| {eps:g} | {get('Online', 'lr')} | {get('FixedThreshold', 'lr')} | "
-                     f"{get('FixedThreshold', 'clip')} | {get('FixedQuantile', 'lr')} | {get('FixedQuantile', 'gamma')} | "
-                     f"{get('DPAdamWOSM', 'clip')} | {nus} |")
+        nus = " / ".join(
+            _hp(by[(m, eps)]["noise_multiplier"]) if (m, eps) in by and "noise_multiplier" in by[(m, eps)] else "-"
+            for m in METHODS
+        )
+        lines.append(
+            f"| {eps:g} | {get('Online', 'lr')} | {get('FixedThreshold', 'lr')} | "
+            f"{get('FixedThreshold', 'clip')} | {get('FixedQuantile', 'lr')} | {get('FixedQuantile', 'gamma')} | "
+            f"{get('DPAdamWOSM', 'clip')} | {nus} |"
+        )
     counts = ", ".join(f"{m}: {len(candidates_for(m, args.k, args.gammas))}" for m in METHODS + ("NoDP",))
     refused = [f"{m} at ε={e:g}: {r['refused']}" for (m, e), r in by.items() if "refused" in r]
     lines += [
@@ -404,8 +471,15 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
     lines.append(f"Command: `python examples/compare_methods.py {' '.join(args.argv)}` ({elapsed / 60:.0f} min).")
     stem = out_dir / f"{task_name}_k{args.k}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    summary = {"task": task_name, "k": args.k, "seeds": args.seed_list, "epochs": args.epochs,
-               "batch_size": args.batch_size, "delta": args.delta, "results": mine}
+    summary = {
+        "task": task_name,
+        "k": args.k,
+        "seeds": args.seed_list,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "delta": args.delta,
+        "results": mine,
+    }
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=float))
     plot(task, epsilons, by, nodp, stem.with_suffix(".png"), args.k)
     return summary
@@ -423,8 +497,14 @@ def plot(task: Task, epsilons, by, nodp, path: Path, k: int) -> None:
         points = [(e, by[(method, e)]) for e in epsilons if (method, e) in by and "test_mean" in by[(method, e)]]
         points = [(e, r) for e, r in points if math.isfinite(r["test_mean"])]
         if points:
-            ax.errorbar([e for e, _ in points], [r["test_mean"] * scale for _, r in points],
-                        yerr=[r["test_std"] * scale for _, r in points], marker="o", capsize=3, label=method)
+            ax.errorbar(
+                [e for e, _ in points],
+                [r["test_mean"] * scale for _, r in points],
+                yerr=[r["test_std"] * scale for _, r in points],
+                marker="o",
+                capsize=3,
+                label=method,
+            )
     if nodp and math.isfinite(nodp["test_mean"]):
         ax.axhline(nodp["test_mean"] * scale, color="black", linestyle="--", label="NoDP")
     ax.set_xlabel("ε (per grid)")
@@ -444,8 +524,13 @@ QUICK = dict(k=3, epsilons=[4.0], seeds=2, epochs=3, gammas=[0.1, 0.5, 0.9])
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", nargs="+", default=["digits", "digits-ae"], choices=sorted(TASKS),
-                        help="digits and digits-ae are embedded; mnist, fashion-mnist, ag-news need --data-dir")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["digits", "digits-ae"],
+        choices=sorted(TASKS),
+        help="digits and digits-ae are embedded; mnist, fashion-mnist, ag-news need --data-dir",
+    )
     parser.add_argument("--k", type=int, help="grid granularity: values per axis (paper: 5, 7, 9; default 5)")
     parser.add_argument("--epsilons", type=float, nargs="+", help="per-grid budgets (default 1 2 4 8)")
     parser.add_argument("--delta", type=float, default=1e-5)
@@ -454,14 +539,21 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=int, default=64, help="expected batch size B")
     parser.add_argument("--gammas", type=float, nargs="+", help="FixedQuantile's target quantiles (default 0.1 .. 0.9)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS) + ["NoDP"], choices=list(METHODS) + ["NoDP"])
-    parser.add_argument("--dp-seed", type=int, default=0, help="root of every search's DP randomness (each search "
-                        "gets its own spawned child)")
+    parser.add_argument(
+        "--dp-seed",
+        type=int,
+        default=0,
+        help="root of every search's DP randomness (each search gets its own spawned child)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="searches run in parallel (one core each)")
     parser.add_argument("--data-dir", default=None, help="local copies of MNIST / Fashion-MNIST / AG News")
     parser.add_argument("--out", default="docs/compare")
-    parser.add_argument("--quick", action="store_true",
-                        help="a few minutes on 2 cores: k=3, epsilon 4, 2 seeds, 3 epochs, gammas 0.1 0.5 0.9 "
-                             "(flags given explicitly still win)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few minutes on 2 cores: k=3, epsilon 4, 2 seeds, 3 epochs, gammas 0.1 0.5 0.9 "
+        "(flags given explicitly still win)",
+    )
     args = parser.parse_args(argv)
     args.argv = list(argv)
     for name, value in (QUICK if args.quick else FULL).items():
@@ -483,9 +575,21 @@ def main(argv: list[str] | None = None) -> dict:
     units = []
     for task in args.tasks:
         for method in args.methods:
-            for eps in ([None] if method == "NoDP" else args.epsilons):
-                units.append(Unit(task, method, eps, args.k, args.gammas, tuple(args.seed_list), args.epochs,
-                                  args.batch_size, args.delta, args.data_dir))
+            for eps in [None] if method == "NoDP" else args.epsilons:
+                units.append(
+                    Unit(
+                        task,
+                        method,
+                        eps,
+                        args.k,
+                        args.gammas,
+                        tuple(args.seed_list),
+                        args.epochs,
+                        args.batch_size,
+                        args.delta,
+                        args.data_dir,
+                    )
+                )
     for unit, child in zip(units, np.random.SeedSequence(args.dp_seed).spawn(len(units))):
         unit.dp_seed = child
     units.sort(key=lambda u: -u.runs)  # the largest searches first: better packing over the jobs
@@ -501,8 +605,11 @@ def main(argv: list[str] | None = None) -> dict:
         eta = elapsed / done_runs * (total_runs - done_runs)
         what = result.get("refused", "")[:80] or f"winner {result['winner']}, test {result['test_mean']:.4f}"
         eps = "" if unit.epsilon is None else f" eps={unit.epsilon:g}"
-        print(f"[{done_runs}/{total_runs} runs, {elapsed / 60:.1f} min, ~{eta / 60:.1f} min left] {unit.task} "
-              f"{unit.method}{eps}: {what} ({result['seconds']:.0f} s)", flush=True)
+        print(
+            f"[{done_runs}/{total_runs} runs, {elapsed / 60:.1f} min, ~{eta / 60:.1f} min left] {unit.task} "
+            f"{unit.method}{eps}: {what} ({result['seconds']:.0f} s)",
+            flush=True,
+        )
 
     if args.jobs == 1:
         for unit in units:

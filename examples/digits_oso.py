@@ -64,9 +64,16 @@ class DigitsCNN(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, stride=1),
-            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 2 * 2, 32), nn.ReLU(), nn.Linear(32, 10),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2, stride=1),
+            nn.Conv2d(16, 32, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 2 * 2, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +112,12 @@ def plot_trajectories(event_dir: str, png_path: str, target_epsilon: float) -> N
     events.Reload()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, (tag, title) in zip(
-        axes, [("dp/clip", "clipping threshold $C_t$"), ("dp/lr", r"learning rate $\rho_t$"), ("dp/epsilon", r"$\varepsilon$ spent")]
+        axes,
+        [
+            ("dp/clip", "clipping threshold $C_t$"),
+            ("dp/lr", r"learning rate $\rho_t$"),
+            ("dp/epsilon", r"$\varepsilon$ spent"),
+        ],
     ):
         scalars = events.Scalars(tag)
         ax.plot([s.step for s in scalars], [s.value for s in scalars])

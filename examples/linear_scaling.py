@@ -39,15 +39,15 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from digits_oso import DigitsDataModule  # noqa: E402
+from digits_oso import DigitsDataModule
 
-from lightning_oso import (  # noqa: E402
+from lightning_oso import (
     FixedThresholdDP,
     PrivacyAccountant,
     calibrate_noise_multiplier,
     compute_epsilon,
 )
-from lightning_oso.linear_scaling import LinearScalingSearch, decompose  # noqa: E402
+from lightning_oso.linear_scaling import LinearScalingSearch, decompose
 
 
 class LinearProbe(L.LightningModule):
@@ -86,9 +86,17 @@ def train_once(eta: float, steps: int, dp: dict, seed: int) -> dict:
     train_set, test_set = _data()
     L.seed_everything(seed, verbose=False)
     model = LinearProbe(eta)
-    trainer = L.Trainer(max_steps=steps, max_epochs=None, accelerator="cpu", devices=1, logger=False,
-                        callbacks=[FixedThresholdDP(clip=1.0, **dp)], enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=steps,
+        max_epochs=None,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[FixedThresholdDP(clip=1.0, **dp)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(train_set, batch_size=len(train_set)))
     return {"score": _accuracy(model, train_set), "test": _accuracy(model, test_set)}
 
@@ -106,9 +114,18 @@ def linear_scaling(budget: float, args, seed: int):
     def train(hparams, dp):
         return train_once(hparams["eta"], hparams["steps"], dp, seed)
 
-    search = LinearScalingSearch(train, budget, args.delta, 1.0, tuple(args.r_range), args.eta_max, args.steps_max,
-                                 sweep_epsilons=(0.1, 0.2), runs_per_sweep=args.runs_per_sweep,
-                                 seed=_streams(seed, budget, "linear_scaling"))
+    search = LinearScalingSearch(
+        train,
+        budget,
+        args.delta,
+        1.0,
+        tuple(args.r_range),
+        args.eta_max,
+        args.steps_max,
+        sweep_epsilons=(0.1, 0.2),
+        runs_per_sweep=args.runs_per_sweep,
+        seed=_streams(seed, budget, "linear_scaling"),
+    )
     result = search.run()
     return result
 
@@ -117,15 +134,24 @@ def random_search(budget: float, args, seed: int) -> dict:
     generator = torch.Generator().manual_seed(10_000 + seed)
     runs = 2 * args.runs_per_sweep + 1
     low, high = (math.log(v) for v in args.r_range)
-    plans = [decompose(math.exp(low + (high - low) * float(torch.rand(1, generator=generator))), args.eta_max,
-                       args.steps_max) for _ in range(runs)]
+    plans = [
+        decompose(
+            math.exp(low + (high - low) * float(torch.rand(1, generator=generator))), args.eta_max, args.steps_max
+        )
+        for _ in range(runs)
+    ]
     # one noise multiplier for every run: all of them together meet the budget
     noise = calibrate_noise_multiplier(budget, args.delta, [1.0] * runs, [steps for _, steps in plans])
     results = []
     ledger = PrivacyAccountant(args.delta)
     for run, (eta, steps) in zip(_streams(seed, budget, "random_search").spawn(len(plans)), plans):
-        dp = {"target_epsilon": budget, "target_delta": args.delta, "noise_multiplier": noise, "accountant": ledger,
-              "seed": run}
+        dp = {
+            "target_epsilon": budget,
+            "target_delta": args.delta,
+            "noise_multiplier": noise,
+            "accountant": ledger,
+            "seed": run,
+        }
         results.append({"r": eta * steps, **train_once(eta, steps, dp, seed)})
     best = max(results, key=lambda r: r["score"])
     return {"test": best["test"], "r": best["r"], "epsilon": ledger.epsilon(), "noise_multiplier": noise}
@@ -151,10 +177,18 @@ def job(spec: tuple) -> dict:
     budget, seed, args = spec
     result = linear_scaling(budget, args, seed)
     return {
-        "budget": budget, "seed": seed,
-        "linear_scaling": {"test": result.final.metrics["test"], "r": result.final.r, "epsilon": result.epsilon_spent,
-                           "final_epsilon": result.final_epsilon, "phases": result.phase_epsilons,
-                           "line": result.line, "eta": result.final.eta, "steps": result.final.steps},
+        "budget": budget,
+        "seed": seed,
+        "linear_scaling": {
+            "test": result.final.metrics["test"],
+            "r": result.final.r,
+            "epsilon": result.epsilon_spent,
+            "final_epsilon": result.final_epsilon,
+            "phases": result.phase_epsilons,
+            "line": result.line,
+            "eta": result.final.eta,
+            "steps": result.final.steps,
+        },
         "random_search": random_search(budget, args, seed),
         "grid_oracle": grid_oracle(budget, args, seed),
         "result": result.to_dict(),
@@ -188,21 +222,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
         def med(method, key="test"):
             return statistics.median(r[method][key] for r in mine)
 
-        rows.append({
-            "budget": budget,
-            "linear_scaling": med("linear_scaling"), "linear_scaling_epsilon": max(r["linear_scaling"]["epsilon"]
-                                                                                   for r in mine),
-            "final_epsilon": med("linear_scaling", "final_epsilon"), "final_r": med("linear_scaling", "r"),
-            "random_search": med("random_search"), "random_search_epsilon": max(r["random_search"]["epsilon"]
-                                                                                 for r in mine),
-            "grid_oracle": med("grid_oracle"), "grid_oracle_r": med("grid_oracle", "r"),
-            "grid_oracle_uncharged_epsilon": mine[0]["grid_oracle"]["uncharged_epsilon"],
-        })
+        rows.append(
+            {
+                "budget": budget,
+                "linear_scaling": med("linear_scaling"),
+                "linear_scaling_epsilon": max(r["linear_scaling"]["epsilon"] for r in mine),
+                "final_epsilon": med("linear_scaling", "final_epsilon"),
+                "final_r": med("linear_scaling", "r"),
+                "random_search": med("random_search"),
+                "random_search_epsilon": max(r["random_search"]["epsilon"] for r in mine),
+                "grid_oracle": med("grid_oracle"),
+                "grid_oracle_r": med("grid_oracle", "r"),
+                "grid_oracle_uncharged_epsilon": mine[0]["grid_oracle"]["uncharged_epsilon"],
+            }
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "linear_scaling.json").write_text(json.dumps(
-        {"settings": {k: v for k, v in vars(args).items()}, "rows": rows, "runs": results,
-         "wall_seconds": time.perf_counter() - start}, indent=2, default=float))
+    (out / "linear_scaling.json").write_text(
+        json.dumps(
+            {
+                "settings": {k: v for k, v in vars(args).items()},
+                "rows": rows,
+                "runs": results,
+                "wall_seconds": time.perf_counter() - start,
+            },
+            indent=2,
+            default=float,
+        )
+    )
     lines = [
         "| total epsilon | linear scaling: test acc. (epsilon spent) | eps_f, r* of the final run | random search: test "
         "acc. (epsilon spent) | grid oracle: test acc., best r (NOT charged: 12 runs at the full budget would cost) |",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -39,9 +38,12 @@ from lightning_oso.validation import PrivacyConfigurationError
 
 CONSTANTS = (0.001, 0.01, 0.1, 1.0)
 PAPER_TABLE_3 = {  # (dataset, epsilon) -> (Ours, Best constant); the paper does not say which lambda
-    ("synthetic", 0.1): (0.5090, 0.5307), ("synthetic", 20.0): (0.5087, 0.5087),
-    ("iris", 0.1): (0.6465, 0.6809), ("iris", 20.0): (0.2778, 0.2782),
-    ("breast_cancer", 0.1): (1.1656, 0.8651), ("breast_cancer", 20.0): (0.2399, 0.2437),
+    ("synthetic", 0.1): (0.5090, 0.5307),
+    ("synthetic", 20.0): (0.5087, 0.5087),
+    ("iris", 0.1): (0.6465, 0.6809),
+    ("iris", 20.0): (0.2778, 0.2782),
+    ("breast_cancer", 0.1): (1.1656, 0.8651),
+    ("breast_cancer", 20.0): (0.2399, 0.2437),
 }
 
 
@@ -97,8 +99,16 @@ def run(job: dict) -> dict:
     L.seed_everything(job["seed"], verbose=False)
     model = Logistic(d, job["lambda"])
     dp = PURDP(schedule, constants.lipschitz, job["epsilon"], 1.0 / n, accountant=job["accountant"], seed=job["seed"])
-    trainer = L.Trainer(max_steps=job["max_steps"], accelerator="cpu", devices=1, callbacks=[dp], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=job["max_steps"],
+        accelerator="cpu",
+        devices=1,
+        callbacks=[dp],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     try:
         trainer.fit(model, DataLoader(TensorDataset(z, y), batch_size=n))
         steps, spent = dp.steps, dp.epsilon
@@ -127,8 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
         for epsilon in args.epsilons:
             for lam in args.lambdas:
                 for seed in range(args.repetitions):
-                    base = dict(dataset=dataset, epsilon=epsilon, **{"lambda": lam}, seed=seed,
-                                max_steps=args.max_steps)
+                    base = dict(
+                        dataset=dataset, epsilon=epsilon, **{"lambda": lam}, seed=seed, max_steps=args.max_steps
+                    )
                     jobs.append({**base, "sigma": None, "accountant": "zcdp"})
                     jobs.append({**base, "sigma": None, "accountant": "prv"})
                     jobs += [{**base, "sigma": sigma, "accountant": "zcdp"} for sigma in CONSTANTS]
@@ -139,22 +150,35 @@ def main(argv: list[str] | None = None) -> dict:
     for dataset in args.datasets:
         for epsilon in args.epsilons:
             for lam in args.lambdas:
+
                 def median(sigma, accountant="zcdp", key="risk"):
                     return statistics.median(
-                        r[key] for r in results if (r["dataset"], r["epsilon"], r["lambda"], r["sigma"],
-                                                    r["accountant"]) == (dataset, epsilon, lam, sigma, accountant))
+                        r[key]
+                        for r in results
+                        if (r["dataset"], r["epsilon"], r["lambda"], r["sigma"], r["accountant"])
+                        == (dataset, epsilon, lam, sigma, accountant)
+                    )
 
                 constant = {sigma: median(sigma) for sigma in CONSTANTS}
                 best = min(constant, key=constant.get)
                 paper = PAPER_TABLE_3.get((dataset, epsilon))
-                rows.append({
-                    "dataset": dataset, "epsilon": epsilon, "lambda": lam,
-                    "pur": median(None), "pur_steps": median(None, key="steps"),
-                    "pur_prv": median(None, "prv"), "pur_prv_steps": median(None, "prv", key="steps"),
-                    "best_constant": constant[best], "best_sigma": best,
-                    "best_constant_steps": median(best, key="steps"), "constants": constant,
-                    "paper_ours": paper[0] if paper else None, "paper_best_constant": paper[1] if paper else None,
-                })
+                rows.append(
+                    {
+                        "dataset": dataset,
+                        "epsilon": epsilon,
+                        "lambda": lam,
+                        "pur": median(None),
+                        "pur_steps": median(None, key="steps"),
+                        "pur_prv": median(None, "prv"),
+                        "pur_prv_steps": median(None, "prv", key="steps"),
+                        "best_constant": constant[best],
+                        "best_sigma": best,
+                        "best_constant_steps": median(best, key="steps"),
+                        "constants": constant,
+                        "paper_ours": paper[0] if paper else None,
+                        "paper_best_constant": paper[1] if paper else None,
+                    }
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"settings": vars(args), "rows": rows, "runs": results, "wall_seconds": time.perf_counter() - start}
@@ -187,16 +211,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
     datasets = sorted({r["dataset"] for r in rows}, key=[r["dataset"] for r in rows].index)
     lambdas = sorted({r["lambda"] for r in rows})
-    fig, axes = plt.subplots(len(lambdas), len(datasets), figsize=(4.2 * len(datasets), 3.4 * len(lambdas)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(lambdas), len(datasets), figsize=(4.2 * len(datasets), 3.4 * len(lambdas)), squeeze=False
+    )
     for i, lam in enumerate(lambdas):
         for j, dataset in enumerate(datasets):
             ax = axes[i][j]
             for k, r in enumerate(r for r in rows if r["dataset"] == dataset and r["lambda"] == lam):
                 color = f"C{k}"
                 sigmas = sorted(r["constants"])
-                ax.plot(sigmas, [r["constants"][s] for s in sigmas], "o-", color=color,
-                        label=f"constant, eps={r['epsilon']:g}")
+                ax.plot(
+                    sigmas,
+                    [r["constants"][s] for s in sigmas],
+                    "o-",
+                    color=color,
+                    label=f"constant, eps={r['epsilon']:g}",
+                )
                 ax.axhline(r["pur"], color=color, linestyle="--", label=f"PUR (zCDP), eps={r['epsilon']:g}")
                 ax.axhline(r["pur_prv"], color=color, linestyle=":", label=f"PUR (PRV), eps={r['epsilon']:g}")
             ax.set_xscale("log")

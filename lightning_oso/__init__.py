@@ -15,20 +15,19 @@ from lightning_oso.clipping import (
     OSOClipping,
     ScheduledNoiseClipping,
 )
-from lightning_oso.ddp import DPDDPStrategy
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.ddp import DPDDPStrategy
+from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused
 from lightning_oso.linear_scaling import LinearScalingSearch
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.schedules import PURSchedule
 from lightning_oso.search import HonestGridSearch, SearchResult
 from lightning_oso.strategy import DPStrategy
-from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused
 
 __all__ = [
-    "AccountingError",
-    "LedgerError",
-    "PrivateStepRefused",
     "OSODP",
+    "PURDP",
+    "AccountingError",
     "ClippingRule",
     "DPAdamWOSM",
     "DPCallback",
@@ -39,13 +38,14 @@ __all__ = [
     "FixedThresholdClipping",
     "FixedThresholdDP",
     "HonestGridSearch",
+    "LedgerError",
     "LinearScalingSearch",
     "OSOClipping",
-    "PURDP",
     "PURSchedule",
     "PoissonBatchSampler",
     "PrivacyAccountant",
     "PrivacyConfigurationError",
+    "PrivateStepRefused",
     "ScheduledNoiseClipping",
     "SearchResult",
     "calibrate_noise_multiplier",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -199,8 +199,11 @@ def _integer_order_rdp(noise: float, rate: float) -> np.ndarray:
         # (a - k) log(1 - q), with 0 * log(0) = 0: at q = 1 only the k = a term remains (the plain Gaussian)
         log_not_sampled = np.where(a > k, (a - k) * (np.log1p(-rate) if rate < 1 else -np.inf), 0.0)
         log_terms = (
-            gammaln(a + 1) - gammaln(k + 1) - gammaln(np.maximum(a - k, 0) + 1)
-            + log_not_sampled + k * math.log(rate)
+            gammaln(a + 1)
+            - gammaln(k + 1)
+            - gammaln(np.maximum(a - k, 0) + 1)
+            + log_not_sampled
+            + k * math.log(rate)
             + (k * k - k) / (2 * noise**2)
         )
         log_terms = np.where(k <= a, log_terms, -np.inf)
@@ -300,9 +303,7 @@ def _subsampled_gaussian_prv(noise: float, rate: float):
             z = _log_shifted_ratio(t[support], q)
             scale = 2 * math.sqrt(2) * sigma
             out[support] = (
-                1.0
-                - q * erfc((2 * z * sigma**2 - 1) / scale) / 2
-                - (1 - q) * erfc((2 * z * sigma**2 + 1) / scale) / 2
+                1.0 - q * erfc((2 * z * sigma**2 - 1) / scale) / 2 - (1 - q) * erfc((2 * z * sigma**2 + 1) / scale) / 2
             )
             return out
 
@@ -413,7 +414,7 @@ def _is_full_batch(history: tuple[Segment, ...]) -> bool:
     return len(history) == 1 and float(history[0][1]) == 1.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_prv_fallback(reason: str) -> None:
     warnings.warn(f"{reason}; using the RDP bound instead (looser, still a valid upper bound).", RuntimeWarning)
 
@@ -618,9 +619,7 @@ class PrivacyAccountant:
 
     def __init__(self, delta: float, accountant: str = "prv") -> None:
         if accountant not in ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS:
-            raise ValueError(
-                f"accountant must be one of {ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS}, got {accountant!r}"
-            )
+            raise ValueError(f"accountant must be one of {ACCOUNTANTS + FULL_BATCH_ACCOUNTANTS}, got {accountant!r}")
         self.delta = delta
         self.accountant = accountant
         self.history: list[list] = []  # [[noise_multiplier, sample_rate, steps], ...]
@@ -644,7 +643,7 @@ class PrivacyAccountant:
             history.append((noise, rate, extra_steps))
         return compute_epsilon(history, self.delta, self.accountant)
 
-    def copy(self) -> "PrivacyAccountant":
+    def copy(self) -> PrivacyAccountant:
         other = PrivacyAccountant(self.delta, self.accountant)
         other.history = [list(s) for s in self.history]
         return other

@@ -27,8 +27,8 @@ wire them into a Lightning run (``examples/audit_digits.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import lightning.pytorch as L
 import numpy as np
@@ -53,7 +53,11 @@ def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tu
 
 
 def epsilon_lower_bound_from_rates(
-    true_positives: int, false_negatives: int, false_positives: int, true_negatives: int, delta: float,
+    true_positives: int,
+    false_negatives: int,
+    false_positives: int,
+    true_negatives: int,
+    delta: float,
     confidence: float = 0.95,
 ) -> float:
     """Lower bound on epsilon from a membership test run on models trained with (positives) and without
@@ -70,8 +74,11 @@ def epsilon_lower_bound_from_rates(
     _, fpr_high = clopper_pearson(false_positives, negatives, level)
     tnr_low, _ = clopper_pearson(true_negatives, negatives, level)
     _, fnr_high = clopper_pearson(false_negatives, positives, level)
-    bounds = [math.log((low - delta) / high) for low, high in ((tpr_low, fpr_high), (tnr_low, fnr_high))
-              if low > delta and high > 0]
+    bounds = [
+        math.log((low - delta) / high)
+        for low, high in ((tpr_low, fpr_high), (tnr_low, fnr_high))
+        if low > delta and high > 0
+    ]
     return max([0.0, *bounds])
 
 

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -172,8 +173,9 @@ class _OuterProduct:
             ghost_sum = gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)
             del gram, gram_b
             r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, _U64)) * nb.F64).square_().mul_(nb.F64)
-            eps = ((1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u)
-                   * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, _U64)) - 1)
+            eps = (1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u) * (
+                1 + nb.gamma(t, u)
+            ) * (1 + nb.gamma(t, _U64)) - 1
             eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
             if math.isfinite(eps):
                 r2 = torch.minimum(r2, ghost_sum.clamp_min_(0).add_(r2, alpha=eps).add_(eta))
@@ -334,7 +336,10 @@ def _conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Ten
             x.reshape(1, n * x.shape[1], *x.shape[2:]),
             (n * d_out, layer.in_channels, *kernel),
             g.reshape(1, n * d_out, *g.shape[2:]),
-            stride=stride, padding=padding, dilation=dilation, groups=n,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=n,
         )
         _accumulate(grads, layer.weight, per_sample.reshape(n, *layer.weight.shape))
         _accumulate(grads, layer.bias, g.sum(dim=(2, 3)))
@@ -421,7 +426,9 @@ def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor
     return _normalisation(layer, parts, (layer.num_channels,), position_dim=-1)
 
 
-def _normalisation(layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int) -> _Instantiated:
+def _normalisation(
+    layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
+) -> _Instantiated:
     """LayerNorm/GroupNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat`` as the
     layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t * b_t``, the
     bias's ``sum_t b_t``, sums over positions that can cancel. Each is summed by ``_sum_over_positions`` (float64 in the
@@ -532,8 +539,11 @@ class BookKeeping:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
-        self.layers = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))
-                       and not _aliases_only(m)]
+        self.layers = [
+            m
+            for m in module.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False)) and not _aliases_only(m)
+        ]
         owners: dict[int, str] = {}
         names = {id(m): name for name, m in module.named_modules()}
         for layer in self.layers:
@@ -692,6 +702,4 @@ class BookKeeping:
         for computed in self._compute().values():
             sums.update(computed.weighted_sums(scaled))
         k = weights.shape[1]
-        return [
-            sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params
-        ]
+        return [sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params]

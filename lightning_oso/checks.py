@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -222,7 +222,7 @@ def check_consistency(
     """
     try:
         full, reduced = _batches(example, size, collate)
-    except Exception as err:  # noqa: BLE001 - any failure to build synthetic data only skips the checks
+    except Exception as err:
         _skip(f"no synthetic batch could be built from the first training record ({type(err).__name__}: {err})")
         return
     module = strategy.lightning_module
@@ -248,9 +248,11 @@ def check_consistency(
             # before blaming a layer: is training_step random beyond the dropout modules (e.g. F.dropout, noise)?
             again = _run(strategy, module, params, full, size, seed=SEED + 1)
             if _relative_change(first.norms, again.norms, first.norms) > rtol:
-                _skip("training_step gives different per-sample gradients on the same batch from run to run "
-                      "(randomness other than dropout modules), so the leave-one-out check cannot tell whether a "
-                      "layer mixes records; the additivity check passed")
+                _skip(
+                    "training_step gives different per-sample gradients on the same batch from run to run "
+                    "(randomness other than dropout modules), so the leave-one-out check cannot tell whether a "
+                    "layer mixes records; the additivity check passed"
+                )
                 return
             raise PrivacyConfigurationError(_MIXING.format(change=change))
         except _CannotRun as err:
@@ -264,9 +266,7 @@ class _Pass:
         self.norms, self.sums, self.grads, self.n = norms, sums, grads, n
 
 
-def _run(
-    strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any, size: int, seed: int = SEED
-) -> _Pass:
+def _run(strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any, size: int, seed: int = SEED) -> _Pass:
     """training_step, backward and the per-sample path on ``batch`` (of ``size`` records), from a clean state."""
     from lightning_oso.strategy import _BookKeepingSource, _GradSampleSource  # strategy imports this module
 
@@ -285,7 +285,7 @@ def _run(
         args = (batch, 0) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else (batch,)
         with strategy.precision_plugin.train_step_context(), torch.enable_grad():
             output = module.training_step(*args)
-    except Exception as err:  # noqa: BLE001 - the user's code failing on synthetic data skips the checks
+    except Exception as err:
         raise _CannotRun(f"training_step raised {type(err).__name__}: {err}") from err
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -294,7 +294,7 @@ def _run(
         raise _CannotRun("the loss is not finite (NaN or inf)")
     try:
         loss.backward()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise _CannotRun(f"backward raised {type(err).__name__}: {err}") from err
     params = list(params)
     source = _BookKeepingSource(hooks, params) if isinstance(hooks, BookKeeping) else _GradSampleSource(params)
@@ -435,7 +435,7 @@ def check_before_training(
     try:
         with torch.random.fork_rng(devices=[]):
             example = dataset[0]
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         _skip(f"the first training record could not be read ({type(err).__name__}: {err})")
         return
     finally:

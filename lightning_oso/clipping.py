@@ -19,7 +19,7 @@ single Gaussian mechanism that its queries, released together, amount to (spec s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -51,7 +51,7 @@ class ClippingRule:
         self.gradient_noise_multiplier = self.noise_multiplier
         self.clip = torch.tensor(float(clip), dtype=torch.float64)
 
-    def to(self, device: torch.device) -> "ClippingRule":
+    def to(self, device: torch.device) -> ClippingRule:
         self.clip = self.clip.to(device)
         return self
 
@@ -213,7 +213,7 @@ class OSOClipping(ClippingRule):
         self.prev_gradient: list[Tensor] | None = None  # g~_{t-1}
         self.prev_direction: list[Tensor] | None = None  # q~_{t-1}
 
-    def to(self, device: torch.device) -> "OSOClipping":
+    def to(self, device: torch.device) -> OSOClipping:
         super().to(device)
         if self.prev_gradient is not None:
             self.prev_gradient = [t.to(device) for t in self.prev_gradient]

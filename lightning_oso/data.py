@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
@@ -87,7 +87,7 @@ class PoissonBatchSampler:
             raise ValueError(f"indices has {len(self.indices)} entries, but num_samples is {num_samples}")
 
     @property
-    def sampler(self) -> "PoissonBatchSampler":
+    def sampler(self) -> PoissonBatchSampler:
         return self
 
     def set_epoch(self, epoch: int) -> None:
@@ -150,8 +150,7 @@ def poisson_loader(
         )
     return DataLoader(
         dataset,
-        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size, first_step,
-                                          indices),
+        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size, first_step, indices),
         collate_fn=collate,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
@@ -188,8 +187,9 @@ def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list
     if isinstance(sampler, wrappers) or type(sampler) is DistributedSampler:
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
             raise _refusal(
-                sampler, f"it is process {sampler.rank}'s shard of {sampler.num_replicas}, but the training runs "
-                f"{world_size} process(es) and this is process {rank}"
+                sampler,
+                f"it is process {sampler.rank}'s shard of {sampler.num_replicas}, but the training runs "
+                f"{world_size} process(es) and this is process {rank}",
             )
         if isinstance(sampler, wrappers):  # Lightning's wrapper around the user's sampler: look through it
             sampler = getattr(sampler.dataset, "_sampler", sampler)
@@ -199,8 +199,10 @@ def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list
             raise _refusal(sampler, "it samples another dataset than the loader's")
     if type(sampler) is RandomSampler and (sampler.replacement or getattr(sampler, "_num_samples", None) is not None):
         raise _refusal(
-            sampler, "it draws with replacement" if sampler.replacement else
-            f"it draws num_samples={sampler.num_samples} records an epoch, not each of the {dataset_size} once"
+            sampler,
+            "it draws with replacement"
+            if sampler.replacement
+            else f"it draws num_samples={sampler.num_samples} records an epoch, not each of the {dataset_size} once",
         )
     if type(sampler) in (SequentialSampler, RandomSampler):
         size = len(sampler.data_source)

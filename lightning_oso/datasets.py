@@ -22,8 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"),
-              0x0E: np.dtype(">f8")}
+_IDX_TYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -50,8 +56,13 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 
 def _find(data_dir: Path, name: str, stem: str) -> Path:
-    folders = [data_dir, data_dir / name, data_dir / name.replace("-", "_"), data_dir / name.upper(),
-               data_dir / "FashionMNIST" if name == "fashion-mnist" else data_dir / "MNIST"]
+    folders = [
+        data_dir,
+        data_dir / name,
+        data_dir / name.replace("-", "_"),
+        data_dir / name.upper(),
+        data_dir / "FashionMNIST" if name == "fashion-mnist" else data_dir / "MNIST",
+    ]
     folders += [f / "raw" for f in list(folders)]
     for folder in folders:
         for candidate in (folder / stem, folder / f"{stem}.gz"):
@@ -100,8 +111,18 @@ def load_ag_news(data_dir: str | Path, num_features: int = 2048) -> tuple[Tensor
     data_dir = Path(data_dir)
     splits = []
     for split in ("train", "test"):
-        path = next((p for p in (data_dir / f"{split}.csv", data_dir / "ag_news" / f"{split}.csv",
-                                 data_dir / "ag-news" / f"{split}.csv") if p.is_file()), None)
+        path = next(
+            (
+                p
+                for p in (
+                    data_dir / f"{split}.csv",
+                    data_dir / "ag_news" / f"{split}.csv",
+                    data_dir / "ag-news" / f"{split}.csv",
+                )
+                if p.is_file()
+            ),
+            None,
+        )
         if path is None:
             raise FileNotFoundError(f"{split}.csv of AG News not found in {data_dir} (or its ag_news/ subfolder)")
         texts, labels = [], []

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_oso.strategy import PrivateTraining
 from lightning_oso.validation import PrivacyConfigurationError
 
+
 class DPDDPStrategy(PrivateTraining, DDPStrategy):
     """Lightning's DDP strategy running the private step of the attached DP callback across processes.
 

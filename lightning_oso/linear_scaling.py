@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -99,10 +100,14 @@ class LinearScalingResult:
         ]
         for k, phase in enumerate(("sweep 1", "sweep 2")):
             runs = [t for t in self.trials if t.phase == phase]
-            lines.append(f"  {phase}: {len(runs)} runs at eps={self.sweep_epsilons[k]:g} each, phase epsilon "
-                         f"{self.phase_epsilons[phase]:.4f}; best r = {self.best_r[k]:.4g}")
-            lines += [f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f}): "
-                      f"score {t.score:.4g}" for t in runs]
+            lines.append(
+                f"  {phase}: {len(runs)} runs at eps={self.sweep_epsilons[k]:g} each, phase epsilon "
+                f"{self.phase_epsilons[phase]:.4f}; best r = {self.best_r[k]:.4g}"
+            )
+            lines += [
+                f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f}): score {t.score:.4g}"
+                for t in runs
+            ]
         f = self.final
         lines += [
             f"  fit: r = {a:.4g} * eps + {b:.4g}",
@@ -127,10 +132,22 @@ class LinearScalingResult:
         ax = fig.subplots()
         for k, phase in enumerate(("sweep 1", "sweep 2")):
             runs = [t for t in self.trials if t.phase == phase]
-            ax.scatter([self.sweep_epsilons[k]] * len(runs), [t.r for t in runs], c=[t.score for t in runs],
-                       cmap="viridis", marker="o", label=f"{phase} runs (colour: score)" if k == 0 else None)
-            ax.scatter([self.sweep_epsilons[k]], [self.best_r[k]], facecolors="none", edgecolors="red", s=160,
-                       label="best of a sweep" if k == 0 else None)
+            ax.scatter(
+                [self.sweep_epsilons[k]] * len(runs),
+                [t.r for t in runs],
+                c=[t.score for t in runs],
+                cmap="viridis",
+                marker="o",
+                label=f"{phase} runs (colour: score)" if k == 0 else None,
+            )
+            ax.scatter(
+                [self.sweep_epsilons[k]],
+                [self.best_r[k]],
+                facecolors="none",
+                edgecolors="red",
+                s=160,
+                label="best of a sweep" if k == 0 else None,
+            )
         a, b = self.line
         xs = [0.0, max(self.final_epsilon, *self.sweep_epsilons) * 1.1]
         ax.plot(xs, [a * x + b for x in xs], "k--", label=f"r = {a:.3g} eps + {b:.3g}")
@@ -254,8 +271,9 @@ class LinearScalingSearch:
             runs = [self._train(phase, plan, self.sweep_epsilons[k], ledger) for plan in plans]
             trials += runs
             signed = [t.score if self.mode == "max" else -t.score for t in runs]
-            best_r.append(runs[max(range(len(runs)), key=lambda i: signed[i] if math.isfinite(signed[i])
-                                   else -math.inf)].r)
+            best_r.append(
+                runs[max(range(len(runs)), key=lambda i: signed[i] if math.isfinite(signed[i]) else -math.inf)].r
+            )
         slope, intercept = fit_line(list(zip(self.sweep_epsilons, best_r)))
         prior = [tuple(s) for s in ledger.history]
         final_epsilon, plan = self._plan_final(slope, intercept, prior, (best_r[0], best_r[1]))
@@ -263,21 +281,30 @@ class LinearScalingSearch:
         phases = {
             phase: compute_epsilon(
                 [(t.noise_multiplier, self.sample_rate, t.steps) for t in trials if t.phase == phase],
-                self.target_delta, self.accountant,
+                self.target_delta,
+                self.accountant,
             )
             for phase in ("sweep 1", "sweep 2", "final")
         }
         return LinearScalingResult(
-            trials=trials, sweep_epsilons=self.sweep_epsilons, best_r=(best_r[0], best_r[1]),
-            line=(slope, intercept), final_epsilon=final_epsilon, final_r=plan["r_target"],
+            trials=trials,
+            sweep_epsilons=self.sweep_epsilons,
+            best_r=(best_r[0], best_r[1]),
+            line=(slope, intercept),
+            final_epsilon=final_epsilon,
+            final_r=plan["r_target"],
             predicted_r=plan["r_predicted"],
-            phase_epsilons=phases, epsilon_spent=ledger.epsilon(), target_epsilon=self.target_epsilon,
-            target_delta=self.target_delta, mode=self.mode,
+            phase_epsilons=phases,
+            epsilon_spent=ledger.epsilon(),
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            mode=self.mode,
             uncharged=["the choice of the best run of each sweep, made on un-noised scores (as in the paper)"],
         )
 
-    def _plan_final(self, slope: float, intercept: float, prior: list,
-                    best_r: tuple[float, float] | None = None) -> tuple[float, dict]:
+    def _plan_final(
+        self, slope: float, intercept: float, prior: list, best_r: tuple[float, float] | None = None
+    ) -> tuple[float, dict]:
         """``eps_f``, ``r*`` and the final run's ``(eta, T, nu)``: ``nu`` makes the whole composition meet the target;
         ``eps_f`` is the final run's own epsilon, a fixed point of ``eps_f -> r* -> T -> nu -> eps_f``."""
         # The line may leave the searched range, and noisy sweeps may give it a falling slope: a larger budget never
@@ -292,8 +319,14 @@ class LinearScalingSearch:
             r_target = min(max(predicted, floor), r_cap)
             eta, steps = decompose(r_target, self.eta_max, self.steps_max, self.steps_min)
             try:
-                noise = calibrate_noise_multiplier(self.target_epsilon, self.target_delta, self.sample_rate, steps,
-                                                   self.accountant, prior_history=prior)
+                noise = calibrate_noise_multiplier(
+                    self.target_epsilon,
+                    self.target_delta,
+                    self.sample_rate,
+                    steps,
+                    self.accountant,
+                    prior_history=prior,
+                )
             except ValueError as err:
                 raise PrivacyConfigurationError(f"the final run cannot fit in the budget left: {err}") from err
             own = compute_epsilon([(noise, self.sample_rate, steps)], self.target_delta, self.accountant)
@@ -301,14 +334,25 @@ class LinearScalingSearch:
             final_epsilon = own
             if converged:
                 break
-        plan = {"r": eta * steps, "r_target": r_target, "r_predicted": predicted, "eta": eta, "steps": steps,
-                "noise_multiplier": noise}
+        plan = {
+            "r": eta * steps,
+            "r_target": r_target,
+            "r_predicted": predicted,
+            "eta": eta,
+            "steps": steps,
+            "noise_multiplier": noise,
+        }
         return final_epsilon, plan
 
     def _train(self, phase: str, plan: dict, run_epsilon: float, ledger: PrivacyAccountant) -> Trial:
         before = ledger.steps
-        dp = {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta,
-              "noise_multiplier": plan["noise_multiplier"], "accountant": ledger, "seed": self._root.spawn(1)[0]}
+        dp = {
+            "target_epsilon": self.target_epsilon,
+            "target_delta": self.target_delta,
+            "noise_multiplier": plan["noise_multiplier"],
+            "accountant": ledger,
+            "seed": self._root.spawn(1)[0],
+        }
         returned = self.train_fn({"eta": plan["eta"], "steps": plan["steps"]}, dp)
         metrics = dict(returned) if isinstance(returned, Mapping) else {"score": returned}
         score = float(metrics.pop("score"))
@@ -319,5 +363,13 @@ class LinearScalingSearch:
                 "pass dp to its DP callback and set the Trainer's max_steps to hparams['steps'] (the noise was "
                 "calibrated for exactly that many)"
             )
-        return Trial(phase, plan["eta"] * plan["steps"], plan["eta"], plan["steps"], run_epsilon,
-                     plan["noise_multiplier"], score, metrics)
+        return Trial(
+            phase,
+            plan["eta"] * plan["steps"],
+            plan["eta"],
+            plan["steps"],
+            run_epsilon,
+            plan["noise_multiplier"],
+            score,
+            metrics,
+        )

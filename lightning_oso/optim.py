@@ -8,7 +8,7 @@ They are plain torch optimizers: privacy comes from the sanitised gradients they
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor

@@ -59,7 +59,11 @@ def calibrated_noise_multiplier(
     history = [tuple(s) for s in history]
     try:
         return calibrate_noise_multiplier(
-            target_epsilon, target_delta, sample_rate, max(1, int(remaining_steps)), accountant,
+            target_epsilon,
+            target_delta,
+            sample_rate,
+            max(1, int(remaining_steps)),
+            accountant,
             prior_history=history,
         )
     except ValueError as err:
@@ -82,8 +86,13 @@ def steps_within_budget(
 ) -> int:
     """How many more steps at ``(noise_multiplier, sample_rate)`` the budget allows after ``history`` (``<= limit``)."""
     return max_steps_within_budget(
-        noise_multiplier, sample_rate, target_epsilon, target_delta, accountant,
-        prior_history=[tuple(s) for s in history], limit=limit,
+        noise_multiplier,
+        sample_rate,
+        target_epsilon,
+        target_delta,
+        accountant,
+        prior_history=[tuple(s) for s in history],
+        limit=limit,
     )
 
 

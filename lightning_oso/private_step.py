@@ -10,7 +10,7 @@ no synchronisation.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

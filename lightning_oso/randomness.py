@@ -62,13 +62,21 @@ class SecureRandom:
         bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(11)
         return (bits.astype(np.float64) + 0.5) * 2.0**-53
 
-    def uniform(self, shape: tuple[int, ...] | torch.Size, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float64) -> Tensor:
+    def uniform(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float64,
+    ) -> Tensor:
         count = math.prod(shape)
         return torch.from_numpy(self._uniform_open(count)).reshape(shape).to(device=device, dtype=dtype)
 
-    def normal(self, shape: tuple[int, ...] | torch.Size, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Tensor:
+    def normal(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         """Standard normal draws (Box-Muller: both outputs of each pair of uniforms are used)."""
         count = math.prod(shape)
         pairs = (count + 1) // 2

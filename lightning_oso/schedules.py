@@ -73,8 +73,12 @@ class PURSchedule:
         _positive("smoothness (M)", self.smoothness)
         if isinstance(self.dimension, bool) or not isinstance(self.dimension, int) or self.dimension < 1:
             raise ValueError(f"dimension (d) must be a positive int, got {self.dimension!r}")
-        needs = {"nonconvex": ("initial_gap",), "convex": ("radius",),
-                 "strongly_convex": ("initial_gap", "strong_convexity"), "constant": ("constant_std",)}[self.kind]
+        needs = {
+            "nonconvex": ("initial_gap",),
+            "convex": ("radius",),
+            "strongly_convex": ("initial_gap", "strong_convexity"),
+            "constant": ("constant_std",),
+        }[self.kind]
         for name in needs:
             if getattr(self, name) is None:
                 raise ValueError(f"the {self.kind} schedule needs {name}")
@@ -173,8 +177,9 @@ class LogisticConstants:
     initial_gap: float  # bound on F(theta_0) - F* for theta_0 = 0
 
 
-def logistic_regression_constants(max_norm: float, regularisation: float = 0.0,
-                                  radius: float | None = None) -> LogisticConstants:
+def logistic_regression_constants(
+    max_norm: float, regularisation: float = 0.0, radius: float | None = None
+) -> LogisticConstants:
     """``L``, ``M``, ``mu``, ``R`` and the initial gap for regularised logistic regression (the paper's
     "Experiments"), with ``theta_0 = 0``.
 
@@ -198,15 +203,21 @@ def logistic_regression_constants(max_norm: float, regularisation: float = 0.0,
 def logistic_schedule(constants: LogisticConstants, dimension: int) -> PURSchedule:
     """The schedule the paper applies: strongly convex when ``lambda > 0``, convex when ``lambda = 0``."""
     if constants.strong_convexity > 0:
-        return PURSchedule("strongly_convex", constants.smoothness, dimension, initial_gap=constants.initial_gap,
-                           strong_convexity=constants.strong_convexity)
+        return PURSchedule(
+            "strongly_convex",
+            constants.smoothness,
+            dimension,
+            initial_gap=constants.initial_gap,
+            strong_convexity=constants.strong_convexity,
+        )
     if constants.radius is None:
         raise ValueError("the convex schedule (lambda = 0) needs radius R: pass it to logistic_regression_constants")
     return PURSchedule("convex", constants.smoothness, dimension, radius=constants.radius)
 
 
-def synthetic_classification(num_samples: int = 10_000, dimension: int = 2, flip: float = 0.1,
-                             seed: int = 0) -> tuple[Tensor, Tensor]:
+def synthetic_classification(
+    num_samples: int = 10_000, dimension: int = 2, flip: float = 0.1, seed: int = 0
+) -> tuple[Tensor, Tensor]:
     """The paper's synthetic data: ``z ~ N(0, Sigma)`` with ``Sigma_ij = 1`` off the diagonal and 2 on it; ``y = +1``
     with probability ``flip`` where ``<z, 1> <= 0`` and ``1 - flip`` otherwise; labels in ``{-1, +1}``."""
     generator = torch.Generator().manual_seed(seed)

@@ -22,8 +22,9 @@ import itertools
 import json
 import math
 import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +54,9 @@ def grid(**axes: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------------- maths
-def random_stopping_guarantee(run_epsilon: float, run_delta: float, stop_probability: float, delta_2: float) -> tuple[float, float]:
+def random_stopping_guarantee(
+    run_epsilon: float, run_delta: float, stop_probability: float, delta_2: float
+) -> tuple[float, float]:
     """Theorem 1 (Liu-Talwar Thm 3.4): if one candidate run is ``(eps_1, delta_1)``-DP, the random-stopping search
     is ``(3 eps_1 + 3 sqrt(2 delta_1), sqrt(2 delta_1) Upsilon + delta_2)``-DP, ``Upsilon = log(1/delta_2)/gamma``."""
     upsilon = max_random_stopping_draws(stop_probability, delta_2)
@@ -142,12 +145,15 @@ class SearchResult:
         ]
         for i, (cand, mean, std) in enumerate(zip(self.candidates, self.mean_scores, self.std_scores)):
             mark = " **winner**" if i == self.winner_index else ""
-            score = "not drawn" if math.isnan(mean) and self.accounting == "random_stopping" else f"{mean:.4f} +- {std:.4f}"
+            score = (
+                "not drawn" if math.isnan(mean) and self.accounting == "random_stopping" else f"{mean:.4f} +- {std:.4f}"
+            )
             lines.append(f"| {i} | {_fmt(cand)} | {score}{mark} |")
         lines += [
             "",
             f"Winner: {_fmt(self.winner)} ({self.selection} selection"
-            + (f", epsilon_select={self.selection_epsilon}" if self.selection == "noisy" else "") + ")",
+            + (f", epsilon_select={self.selection_epsilon}" if self.selection == "noisy" else "")
+            + ")",
             f"Privacy spent by the whole search: epsilon={self.epsilon_spent:.4f} (target {self.target_epsilon}) at "
             f"delta={self.target_delta}; noise multiplier per step {self.noise_multiplier:.4f}",
         ]
@@ -288,7 +294,8 @@ class HonestGridSearch:
         self.progress = progress
         if accounting == "random_stopping":
             self.stop_probability = check_number(
-                "stop_probability", 1 / len(self.candidates) if stop_probability is None else stop_probability,
+                "stop_probability",
+                1 / len(self.candidates) if stop_probability is None else stop_probability,
                 positive=True,
             )
             self.delta_2 = check_number("delta_2", target_delta / 10 if delta_2 is None else delta_2, positive=True)
@@ -308,8 +315,11 @@ class HonestGridSearch:
             if self.accounting == "composition":
                 # K runs of T steps: one composition of K*T subsampled Gaussian steps (spec section 5)
                 return calibrate_noise_multiplier(
-                    self.target_epsilon, self.target_delta, self.sample_rates * repeats,
-                    [self.steps_per_run] * (len(self.candidates) * repeats), self.accountant,
+                    self.target_epsilon,
+                    self.target_delta,
+                    self.sample_rates * repeats,
+                    [self.steps_per_run] * (len(self.candidates) * repeats),
+                    self.accountant,
                 )
             # random stopping: every run (all its seeds, if charged) meets (eps_1, delta_1)
             return max(
@@ -331,8 +341,13 @@ class HonestGridSearch:
             budget = (self.target_epsilon, self.target_delta)
         else:
             budget = (self.run_epsilon, self.run_delta)
-        return {"target_epsilon": budget[0], "target_delta": budget[1], "noise_multiplier": self.noise_multiplier,
-                "accountant": ledger, "seed": self._root.spawn(1)[0]}
+        return {
+            "target_epsilon": budget[0],
+            "target_delta": budget[1],
+            "noise_multiplier": self.noise_multiplier,
+            "accountant": ledger,
+            "seed": self._root.spawn(1)[0],
+        }
 
     # ------------------------------------------------------------------ running
     def run(self) -> SearchResult:
@@ -408,8 +423,9 @@ class HonestGridSearch:
         signed = [m if self.mode == "max" else -m for m in means]
         drawn = sorted(scores)
         if self.selection == "noisy":
-            winner = drawn[noisy_argmax([signed[i] for i in drawn], self.selection_epsilon, self.score_sensitivity,
-                                        self.generator)]
+            winner = drawn[
+                noisy_argmax([signed[i] for i in drawn], self.selection_epsilon, self.score_sensitivity, self.generator)
+            ]
         else:
             winner = max(drawn, key=lambda i: signed[i] if math.isfinite(signed[i]) else -math.inf)
 
@@ -430,8 +446,9 @@ class HonestGridSearch:
                     f"the repeats over {len(self.seeds)} seeds (as in the OSO paper): charging them would spend "
                     f"epsilon={charged:.4f}"
                 )
-            single = compute_epsilon([(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)],
-                                     self.target_delta, self.accountant)
+            single = compute_epsilon(
+                [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)], self.target_delta, self.accountant
+            )
             details["one run alone at this noise"] = f"epsilon={single:.4f}"
         else:
             # what each run (each draw, if seeds are charged) actually spent, at delta_1
@@ -440,22 +457,28 @@ class HonestGridSearch:
             eps_f_planned, delta_f = random_stopping_guarantee(
                 self.run_epsilon, self.run_delta, self.stop_probability, self.delta_2
             )
-            single = compute_epsilon([(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)],
-                                     self.target_delta, self.accountant)
+            single = compute_epsilon(
+                [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)], self.target_delta, self.accountant
+            )
             grid_noise = calibrate_noise_multiplier(
-                self.target_epsilon, self.target_delta, self.sample_rates, [self.steps_per_run] * len(self.candidates),
+                self.target_epsilon,
+                self.target_delta,
+                self.sample_rates,
+                [self.steps_per_run] * len(self.candidates),
                 self.accountant,
             )
-            details.update({
-                "draws": f"{len(order)} (stop probability gamma={self.stop_probability:.4g}, cap Upsilon="
-                         f"{math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))})",
-                "per-run budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
-                "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
-                "blow-up": f"one run at this noise spends epsilon={single:.4f} at delta={self.target_delta}; random "
-                           f"stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
-                "composition instead": f"the whole grid of {len(self.candidates)} runs would need noise multiplier "
-                                       f"{grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
-            })
+            details.update(
+                {
+                    "draws": f"{len(order)} (stop probability gamma={self.stop_probability:.4g}, cap Upsilon="
+                    f"{math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))})",
+                    "per-run budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
+                    "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
+                    "blow-up": f"one run at this noise spends epsilon={single:.4f} at delta={self.target_delta}; random "
+                    f"stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
+                    "composition instead": f"the whole grid of {len(self.candidates)} runs would need noise multiplier "
+                    f"{grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
+                }
+            )
             if len(self.seeds) > 1 and not self.charge_seeds:
                 uncharged.append(f"the repeats over {len(self.seeds)} seeds (as in the OSO paper)")
         if self.selection == "best":

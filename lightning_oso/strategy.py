@@ -23,7 +23,8 @@ trivial; ``lightning_oso.ddp.DPDDPStrategy`` puts the same mechanics on Lightnin
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -123,8 +124,13 @@ class PrivateTraining:
                 f"the training data must come from a torch DataLoader to be Poisson-sampled; got {type(dataloader).__name__}"
             )
         self._training_data = (dataloader.dataset, dataloader.collate_fn)
-        loader = poisson_loader(dataloader, seed=self.randomness, rank=self.global_rank, world_size=self.world_size,
-                                first_step=self.executed_steps)
+        loader = poisson_loader(
+            dataloader,
+            seed=self.randomness,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            first_step=self.executed_steps,
+        )
         self.num_samples = loader.batch_sampler.num_samples
         self.sample_rate = loader.batch_sampler.sample_rate
         self.expected_batch_size = self.sample_rate * self.num_samples  # B = qN over all processes (spec section 0)
@@ -278,7 +284,6 @@ class PrivateTraining:
         )
 
 
-
 class DPStrategy(PrivateTraining, SingleDeviceStrategy):
     """Single-device strategy running the private step of the attached DP callback.
 
@@ -298,7 +303,7 @@ class DPStrategy(PrivateTraining, SingleDeviceStrategy):
         self._init_privacy()
 
     @classmethod
-    def from_single_device(cls, strategy: SingleDeviceStrategy) -> "DPStrategy":
+    def from_single_device(cls, strategy: SingleDeviceStrategy) -> DPStrategy:
         """A DPStrategy that takes over a connected ``SingleDeviceStrategy`` (device, accelerator, precision, IO)."""
         new = cls(
             device=strategy.root_device,

@@ -8,7 +8,8 @@ with a message that names what is wrong and what to do.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -17,7 +18,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_oso.errors import PrivacyConfigurationError
-
 
 _NORM_FIX = (
     "replace it with nn.GroupNorm (or nn.LayerNorm), e.g. model = opacus.validators.ModuleValidator.fix(model) "
@@ -31,22 +31,32 @@ def validate_model(module: nn.Module) -> None:
     for name, layer in module.named_modules():
         label = f"{name or '<root>'} ({type(layer).__name__})"
         if isinstance(layer, _BatchNorm):
-            problems.append(f"{label}: batch normalisation mixes samples in a batch, so one record's gradient "
-                            f"depends on the others and per-sample clipping bounds nothing; {_NORM_FIX}")
+            problems.append(
+                f"{label}: batch normalisation mixes samples in a batch, so one record's gradient "
+                f"depends on the others and per-sample clipping bounds nothing; {_NORM_FIX}"
+            )
         elif isinstance(layer, _InstanceNorm) and layer.track_running_stats:
-            problems.append(f"{label}: running statistics accumulate across samples; pass "
-                            "track_running_stats=False or use nn.GroupNorm")
+            problems.append(
+                f"{label}: running statistics accumulate across samples; pass "
+                "track_running_stats=False or use nn.GroupNorm"
+            )
         elif isinstance(layer, nn.RNNBase):
-            problems.append(f"{label}: Opacus computes no per-sample gradient for torch's fused recurrent layers; "
-                            "use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in replacements)")
+            problems.append(
+                f"{label}: Opacus computes no per-sample gradient for torch's fused recurrent layers; "
+                "use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in replacements)"
+            )
         elif isinstance(layer, nn.MultiheadAttention):
-            problems.append(f"{label}: Opacus computes no per-sample gradient for nn.MultiheadAttention; use "
-                            "opacus.layers.DPMultiheadAttention (a drop-in replacement)")
+            problems.append(
+                f"{label}: Opacus computes no per-sample gradient for nn.MultiheadAttention; use "
+                "opacus.layers.DPMultiheadAttention (a drop-in replacement)"
+            )
         elif any(p.requires_grad for p in layer.parameters(recurse=False)) and any(
             True for _ in layer.buffers(recurse=False)
         ):
-            problems.append(f"{label}: a trainable layer with buffers (state shared across samples) has no "
-                            "per-sample gradient in Opacus; remove the buffers or freeze the layer")
+            problems.append(
+                f"{label}: a trainable layer with buffers (state shared across samples) has no "
+                "per-sample gradient in Opacus; remove the buffers or freeze the layer"
+            )
     if problems:
         raise PrivacyConfigurationError(
             "the model has layers that cannot be trained with per-sample differential privacy:\n  - "

@@ -25,9 +25,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import ToyModel, toy_data  # noqa: E402
+from helpers import ToyModel, toy_data
 
-from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP  # noqa: E402
+from lightning_oso import OSODP, DPDDPStrategy, FixedThresholdDP
 
 N, PER_PROCESS_BATCH = 200, 10  # global expected batch 20, q = 0.1
 

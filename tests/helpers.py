@@ -65,7 +65,6 @@ def make_trainer(callbacks, **kwargs):
     return L.Trainer(callbacks=callbacks, **defaults)
 
 
-
 class Logistic(L.LightningModule):
     def __init__(self, d, regularisation=0.0, lr=1.0, momentum=0.0, zero_loss=False):
         super().__init__()
@@ -79,8 +78,7 @@ class Logistic(L.LightningModule):
         return 0.0 * loss if self.zero_loss else loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum,
-                               weight_decay=self.regularisation)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.regularisation)
 
 
 def pur_data(n=120, d=4):

@@ -56,8 +56,14 @@ def test_calibration_meets_target_and_matches_opacus(eps, q, steps):
     assert theirs.get_epsilon(delta) == pytest.approx(ours, abs=0.02)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        nu_opacus = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=steps,
-                                         accountant="prv", epsilon_tolerance=0.005)
+        nu_opacus = get_noise_multiplier(
+            target_epsilon=eps,
+            target_delta=delta,
+            sample_rate=q,
+            steps=steps,
+            accountant="prv",
+            epsilon_tolerance=0.005,
+        )
     assert nu == pytest.approx(nu_opacus, rel=5e-3)
     # minimality: 0.3% less noise no longer meets the target
     assert compute_epsilon([(nu * 0.997, q, steps)], delta) > eps
@@ -75,8 +81,12 @@ def _rdp_integer_order(q, sigma, alpha):
     A_alpha = sum_k C(alpha, k) (1-q)^(alpha-k) q^k exp((k^2 - k) / (2 sigma^2)); RDP = log(A_alpha) / (alpha - 1)."""
     k = np.arange(alpha + 1)
     log_terms = (
-        special.gammaln(alpha + 1) - special.gammaln(k + 1) - special.gammaln(alpha - k + 1)
-        + (alpha - k) * np.log1p(-q) + k * np.log(q) + (k * k - k) / (2 * sigma**2)
+        special.gammaln(alpha + 1)
+        - special.gammaln(k + 1)
+        - special.gammaln(alpha - k + 1)
+        + (alpha - k) * np.log1p(-q)
+        + k * np.log(q)
+        + (k * k - k) / (2 * sigma**2)
     )
     return special.logsumexp(log_terms) / (alpha - 1)
 
@@ -113,7 +123,9 @@ def test_prv_failure_falls_back_to_rdp(monkeypatch):
     assert eps == accounting.rdp_epsilon(history, 1e-5)
     # calibration still returns a multiplier that meets the target, by RDP
     nu = calibrate_noise_multiplier(2.0, 1e-5, 0.02, 500)
-    assert accounting.rdp_epsilon([(nu, 0.02, 500)], 1e-5) <= 2.0 < accounting.rdp_epsilon([(nu * 0.99, 0.02, 500)], 1e-5)
+    assert (
+        accounting.rdp_epsilon([(nu, 0.02, 500)], 1e-5) <= 2.0 < accounting.rdp_epsilon([(nu * 0.99, 0.02, 500)], 1e-5)
+    )
 
 
 PRV_CASES = [
@@ -154,7 +166,9 @@ def test_fast_rdp_bound_is_the_integer_order_bound():
     eps_ind = np.min(rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders))
     assert accounting._fast_rdp_epsilon([(sigma, q, steps)], delta) == pytest.approx(eps_ind, rel=1e-9)
     for history in PRV_CASES + [[(2.0, 1.0, 16)], [(1.0, 0.5, 40)]]:  # q = 1: only the k = a term remains
-        assert accounting._fast_rdp_epsilon(history, delta) == pytest.approx(accounting.rdp_epsilon(history, delta), rel=0.05)
+        assert accounting._fast_rdp_epsilon(history, delta) == pytest.approx(
+            accounting.rdp_epsilon(history, delta), rel=0.05
+        )
 
 
 @pytest.mark.parametrize("eps,q,steps", [(3.0, 0.004, 100_000), (1.0, 0.001, 100_000)])
@@ -221,7 +235,9 @@ def _mpmath_gaussian_epsilon(mu, delta):
         mu, delta = mpmath.mpf(mu), mpmath.mpf(delta)
 
         def f(eps):
-            return mpmath.log(mpmath.ncdf(-eps / mu + mu / 2) - mpmath.exp(eps) * mpmath.ncdf(-eps / mu - mu / 2)) - mpmath.log(delta)
+            return mpmath.log(
+                mpmath.ncdf(-eps / mu + mu / 2) - mpmath.exp(eps) * mpmath.ncdf(-eps / mu - mu / 2)
+            ) - mpmath.log(delta)
 
         if f(mpmath.mpf(0)) <= 0:
             return mpmath.mpf(0)
@@ -260,7 +276,9 @@ def test_gaussian_epsilon_is_finite_and_exact_for_extreme_mu_and_delta():
     """mu from 1e-3 to 1e3, delta from 1e-12 to 0.5: finite, and the mpmath value rounded up."""
     for mu in np.geomspace(1e-3, 1e3, 13):
         for delta in (1e-12, 1e-8, 1e-5, 1e-2, 0.3, 0.5):
-            _assert_tight_upper_bound(accounting.gaussian_epsilon(float(mu), delta), _mpmath_gaussian_epsilon(mu, delta))
+            _assert_tight_upper_bound(
+                accounting.gaussian_epsilon(float(mu), delta), _mpmath_gaussian_epsilon(mu, delta)
+            )
 
 
 def test_budget_stop_at_sample_rate_one_and_huge_epsilon():
@@ -282,8 +300,11 @@ def test_mixed_history_costs_at_least_its_full_batch_part():
     """A subsampled segment composed with a costly full-batch one (exact epsilon 730 to 5400): composition only
     adds cost, so the reported epsilon is at least the full-batch part's exact epsilon (mpmath). It used to be
     ~709.7 for the first two (the PRV truncated every privacy loss above 709.78); the third is now a PRV bound too."""
-    for history in ([(1.0, 0.01, 10), (1 / 34.5, 1.0, 1)], [(2.0, 0.01, 1), (1 / 35.0, 1.0, 1)],
-                    [(2.0, 0.01, 1), (0.01, 1.0, 1)]):
+    for history in (
+        [(1.0, 0.01, 10), (1 / 34.5, 1.0, 1)],
+        [(2.0, 0.01, 1), (1 / 35.0, 1.0, 1)],
+        [(2.0, 0.01, 1), (0.01, 1.0, 1)],
+    ):
         mu = math.sqrt(sum(t / nu**2 for nu, rate, t in history if rate == 1.0))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -10,7 +10,7 @@ from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_oso import FixedThresholdDP, OSODP
+from lightning_oso import OSODP, FixedThresholdDP
 from lightning_oso.audit import (
     NULL,
     REAL,

@@ -53,7 +53,9 @@ def _reference(model, tokens, image, y):
     per_sample = []
     for i in range(len(y)):
         model.zero_grad()
-        nn.functional.cross_entropy(model(tokens[i : i + 1], image[i : i + 1]), y[i : i + 1], reduction="sum").backward()
+        nn.functional.cross_entropy(
+            model(tokens[i : i + 1], image[i : i + 1]), y[i : i + 1], reduction="sum"
+        ).backward()
         per_sample.append([p.grad.clone() for p in params])
     return params, [torch.stack([s[j] for s in per_sample]) for j in range(len(params))]
 
@@ -148,7 +150,7 @@ def test_training_is_the_same_on_both_paths(method):
     epsilon (the noise is the same draw; the sums differ by float rounding only)."""
     from helpers import ToyModel, make_trainer, toy_loader
 
-    from lightning_oso import FixedQuantileDP, FixedThresholdDP, OSODP
+    from lightning_oso import OSODP, FixedQuantileDP, FixedThresholdDP
 
     results = {}
     for mode in ("book_keeping", "hooks"):
@@ -254,6 +256,7 @@ def test_private_step_reads_one_flag_back_to_the_host(monkeypatch):
                     method = getattr(torch.Tensor, name)
                     m.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=method: reads.append(_n) or _f(self, *a))
                 return fn(*args, **kwargs)
+
         return wrapper
 
     watched(lambda: bool(torch.tensor(1.0) > 0) and torch.tensor(2.0).item())()
@@ -278,8 +281,9 @@ def test_private_step_reads_one_flag_back_to_the_host(monkeypatch):
 def test_frozen_first_layer_followed_by_an_inplace_op():
     """With autograd's weight gradients off, a first layer's output must still carry gradients without becoming a
     leaf, or a following in-place op (ReLU(inplace=True), common in CNNs) would fail."""
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 4 * 4, 2),
-                          nn.ReLU(inplace=True))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 4 * 4, 2), nn.ReLU(inplace=True)
+    )
     x = torch.randn(5, 1, 6, 6)
     reference = []
     for i in range(5):

@@ -4,12 +4,12 @@ import glob
 
 import pytest
 import torch
+from helpers import ToyModel, make_trainer, toy_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, DPStrategy, compute_epsilon
 
 
@@ -32,8 +32,14 @@ def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
     events = EventAccumulator(glob.glob(str(tmp_path / "run" / "version_0"))[0])
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"dp/clip", "dp/lr", "dp/epsilon", "dp/noise_multiplier", "dp/gradient_noise_multiplier",
-            "dp/direction_noise_multiplier"} <= tags
+    assert {
+        "dp/clip",
+        "dp/lr",
+        "dp/epsilon",
+        "dp/noise_multiplier",
+        "dp/gradient_noise_multiplier",
+        "dp/direction_noise_multiplier",
+    } <= tags
     assert not any(t.startswith("nonprivate/") for t in tags)
     assert len(events.Scalars("dp/clip")) == 30
     epsilons = [s.value for s in events.Scalars("dp/epsilon")]
@@ -93,8 +99,13 @@ def test_user_hooks_and_optimizer_see_only_sanitised_gradients(grad_sample_mode)
 
     model = Spy(net=nn.Sequential(nn.Linear(10, 2000)), lr=1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1,
-               grad_sample_mode=grad_sample_mode)
+    dp = OSODP(
+        target_epsilon=10.0,
+        target_delta=1e-4,
+        noise_multiplier=1.0,
+        initial_clip=0.1,
+        grad_sample_mode=grad_sample_mode,
+    )
     make_trainer([dp], max_steps=1).fit(model, toy_loader(batch_size=20))
     assert all(s is None for s in model.seen)  # the per-sample gradients were consumed before the hook ran
     assert all(g is not None and torch.count_nonzero(g) == g.numel() for g in model.grads)  # not the raw zeros

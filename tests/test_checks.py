@@ -103,8 +103,13 @@ def test_sum_returned_where_mean_is_declared_is_refused(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mean_returned_where_sum_is_declared_is_refused(mode):
-    _refused(ToyModel(), toy_loader(), r"returns the mean .* but loss_reduction='sum' was declared", mode,
-             loss_reduction="sum")
+    _refused(
+        ToyModel(),
+        toy_loader(),
+        r"returns the mean .* but loss_reduction='sum' was declared",
+        mode,
+        loss_reduction="sum",
+    )
 
 
 class Centre(nn.Module):
@@ -357,8 +362,10 @@ class Named(Dataset):
 
 @pytest.mark.parametrize(
     "model, data, reason",
-    [(NeedsBothClasses(), toy_data(), "training_step raised ValueError: a batch of one class"),
-     (WithNames(), Named(), "no synthetic batch could be built .* str")],
+    [
+        (NeedsBothClasses(), toy_data(), "training_step raised ValueError: a batch of one class"),
+        (WithNames(), Named(), "no synthetic batch could be built .* str"),
+    ],
     ids=["training_step_fails", "strings_in_records"],
 )
 def test_a_synthetic_batch_that_cannot_run_skips_the_checks_with_a_warning(model, data, reason):

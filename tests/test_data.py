@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import ToyModel, make_trainer, toy_data
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -13,7 +14,6 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from helpers import ToyModel, make_trainer, toy_data
 from lightning_oso import OSODP
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 
@@ -157,8 +157,11 @@ def test_subset_random_sampler_trains_on_its_subset_only(batch_sampler):
     user's sampler used to be dropped: all 1000 records trained, N = 1000), also through a BatchSampler."""
     data, subset = _indexed_data(1000), list(range(300, 400))
     sampler = SubsetRandomSampler(subset)
-    loader = (DataLoader(data, batch_sampler=BatchSampler(sampler, 10, drop_last=False)) if batch_sampler
-              else DataLoader(data, batch_size=10, sampler=sampler))
+    loader = (
+        DataLoader(data, batch_sampler=BatchSampler(sampler, 10, drop_last=False))
+        if batch_sampler
+        else DataLoader(data, batch_size=10, sampler=sampler)
+    )
     dp, model = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, seed=0), _Indexed()
     trainer = make_trainer([dp], max_epochs=5)
     trainer.fit(model, loader)
@@ -172,8 +175,12 @@ def test_subset_random_sampler_trains_on_its_subset_only(batch_sampler):
 
 def test_subset_is_sharded_by_position_across_processes():
     data, subset = _indexed_data(1000), list(range(999, 899, -1))
-    loaders = [poisson_loader(DataLoader(data, batch_size=5, sampler=SubsetRandomSampler(subset)), seed=1, rank=r,
-                              world_size=2) for r in range(2)]
+    loaders = [
+        poisson_loader(
+            DataLoader(data, batch_size=5, sampler=SubsetRandomSampler(subset)), seed=1, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
     for r, loader in enumerate(loaders):
         assert loader.batch_sampler.num_samples == 100 and loader.batch_sampler.sample_rate == pytest.approx(0.1)
         seen = {i for batch in loader for i in batch[2].tolist()}
@@ -191,20 +198,28 @@ class _EveryOther(torch.utils.data.Sampler):
         return (self.n + 1) // 2
 
 
-@pytest.mark.parametrize("sampler,message", [
-    (WeightedRandomSampler(torch.ones(200), 200), "sampler is a WeightedRandomSampler, which DP training cannot"),
-    (RandomSampler(range(200), replacement=True), "sampler is a RandomSampler, which DP training cannot honour: it "
-                                                  "draws with replacement"),
-    (RandomSampler(range(200), num_samples=50), "RandomSampler, which DP training cannot honour: it draws "
-                                                "num_samples=50"),
-    (_EveryOther(200), "sampler is a _EveryOther, which DP training cannot honour"),
-    (SubsetRandomSampler([3, 4, 3]), "SubsetRandomSampler lists some indices more than once"),
-])
+@pytest.mark.parametrize(
+    "sampler,message",
+    [
+        (WeightedRandomSampler(torch.ones(200), 200), "sampler is a WeightedRandomSampler, which DP training cannot"),
+        (
+            RandomSampler(range(200), replacement=True),
+            "sampler is a RandomSampler, which DP training cannot honour: it draws with replacement",
+        ),
+        (
+            RandomSampler(range(200), num_samples=50),
+            "RandomSampler, which DP training cannot honour: it draws num_samples=50",
+        ),
+        (_EveryOther(200), "sampler is a _EveryOther, which DP training cannot honour"),
+        (SubsetRandomSampler([3, 4, 3]), "SubsetRandomSampler lists some indices more than once"),
+    ],
+)
 def test_samplers_that_cannot_be_honoured_are_refused_before_training(sampler, message):
     model = _Indexed()
     with pytest.raises(ValueError, match=message) as refused:
         make_trainer([OSODP(target_epsilon=3.0, target_delta=1e-3)], max_epochs=1).fit(
-            model, DataLoader(_indexed_data(200), batch_size=10, sampler=sampler))
+            model, DataLoader(_indexed_data(200), batch_size=10, sampler=sampler)
+        )
     assert model.seen == []
     if "indices more than once" not in message:
         assert "torch.utils.data.Subset" in str(refused.value) and "SubsetRandomSampler" in str(refused.value)
@@ -212,8 +227,11 @@ def test_samplers_that_cannot_be_honoured_are_refused_before_training(sampler, m
 
 def test_plain_loaders_keep_the_whole_dataset():
     data = _indexed_data(50)
-    for loader in (DataLoader(data, batch_size=5, shuffle=True), DataLoader(data, batch_size=5),
-                   DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 5, drop_last=True))):
+    for loader in (
+        DataLoader(data, batch_size=5, shuffle=True),
+        DataLoader(data, batch_size=5),
+        DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 5, drop_last=True)),
+    ):
         dp = poisson_loader(loader, seed=0)
         assert dp.batch_sampler.num_samples == 50 and dp.batch_sampler.indices is None
 

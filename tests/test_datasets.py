@@ -62,8 +62,11 @@ def test_idx_errors_name_the_problem(tmp_path):
 
 
 def test_ag_news_csv(tmp_path):
-    rows = [("3", "Stocks rally", "Wall St. gains on earnings"), ("1", "Peace talks", "Leaders meet, talks resume"),
-            ("4", "New chip", "A faster processor, say engineers")]
+    rows = [
+        ("3", "Stocks rally", "Wall St. gains on earnings"),
+        ("1", "Peace talks", "Leaders meet, talks resume"),
+        ("4", "New chip", "A faster processor, say engineers"),
+    ]
     for split in ("train", "test"):
         with open(tmp_path / f"{split}.csv", "w", newline="") as f:
             csv.writer(f).writerows(rows)
@@ -84,9 +87,28 @@ def test_comparison_reads_local_mnist(tmp_path):
     import compare_methods
 
     _fake_mnist(tmp_path / "data" / "mnist", n_train=128, n_test=32)
-    summaries = compare_methods.main(["--tasks", "mnist", "--data-dir", str(tmp_path / "data"), "--quick", "--k", "1",
-                                      "--seeds", "1", "--epochs", "1", "--methods", "Online", "NoDP",
-                                      "--epsilons", "8", "--out", str(tmp_path / "out")])
+    summaries = compare_methods.main(
+        [
+            "--tasks",
+            "mnist",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--quick",
+            "--k",
+            "1",
+            "--seeds",
+            "1",
+            "--epochs",
+            "1",
+            "--methods",
+            "Online",
+            "NoDP",
+            "--epsilons",
+            "8",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     results = {r["method"]: r for r in summaries["mnist"]["results"]}
     assert results["Online"]["epsilon_spent"] <= 8.0
     assert 0.0 <= results["NoDP"]["test_mean"] <= 1.0

@@ -13,7 +13,7 @@ import torch
 from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
-from lightning_oso import DPDDPStrategy, FixedThresholdDP, OSODP, compute_epsilon
+from lightning_oso import OSODP, DPDDPStrategy, FixedThresholdDP, compute_epsilon
 from lightning_oso.validation import PrivacyConfigurationError
 
 WORKER = Path(__file__).parent / "ddp_worker.py"
@@ -22,7 +22,10 @@ WORKER = Path(__file__).parent / "ddp_worker.py"
 def _launch(scenario, out, *extra, expect_failure=False):
     result = subprocess.run(
         [sys.executable, str(WORKER), scenario, str(out), *extra],
-        capture_output=True, text=True, timeout=240, cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).parent.parent,
     )
     if expect_failure:
         assert result.returncode != 0, result.stdout[-2000:]

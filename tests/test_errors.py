@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
-from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import OSODP, PrivacyConfigurationError
 
 
@@ -111,7 +111,10 @@ def test_manual_optimisation_refused():
 def test_multiple_optimizers_refused():
     class Two(ToyModel):
         def configure_optimizers(self):
-            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+            ]
 
     with pytest.raises(Exception, match="optimizer"):
         _fit(Two())

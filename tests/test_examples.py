@@ -8,19 +8,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import audit_digits  # noqa: E402
-import compare_methods  # noqa: E402
-import digits_oso  # noqa: E402
-import linear_scaling  # noqa: E402
-import pur_schedules  # noqa: E402
-from lightning_oso import compute_epsilon  # noqa: E402
+import audit_digits
+import compare_methods
+import digits_oso
+import linear_scaling
+import pur_schedules
+
+from lightning_oso import compute_epsilon
 
 
 @pytest.mark.slow
 def test_digits_demo_smallest_setting(tmp_path):
     plot = tmp_path / "plot.png"
-    result = digits_oso.main(["--epochs", "1", "--epsilon", "2.0", "--log-dir", str(tmp_path / "logs"),
-                              "--plot", str(plot)])
+    result = digits_oso.main(
+        ["--epochs", "1", "--epsilon", "2.0", "--log-dir", str(tmp_path / "logs"), "--plot", str(plot)]
+    )
     assert result["epsilon"] <= 2.0 and result["steps"] == 23
     assert 0.0 <= result["test_accuracy"] <= 1.0
     assert plot.stat().st_size > 10_000
@@ -31,8 +33,23 @@ def test_digits_demo_smallest_setting(tmp_path):
 def test_comparison_smallest_setting(tmp_path):
     """Every method and the baseline on both default tasks, one epoch, one seed, k=2: tables, JSON and plots
     written, and every grid within its per-grid budget as a direct composition of all its runs."""
-    summaries = compare_methods.main(["--quick", "--k", "2", "--seeds", "1", "--epochs", "1", "--gammas", "0.5",
-                                      "--epsilons", "3", "--out", str(tmp_path)])
+    summaries = compare_methods.main(
+        [
+            "--quick",
+            "--k",
+            "2",
+            "--seeds",
+            "1",
+            "--epochs",
+            "1",
+            "--gammas",
+            "0.5",
+            "--epsilons",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     for task in ("digits", "digits-ae"):
         table = (tmp_path / f"{task}_k2.md").read_text()
         for method in ("Online", "FixedThreshold", "FixedQuantile", "DPAdamWOSM", "NoDP"):
@@ -66,12 +83,26 @@ def test_overhead_benchmark_smallest_setting(tmp_path):
         assert all(len(t) == 2 and min(t) > 0 for t in times.values())
         for v in overhead.VARIANTS:
             base = "non_private" if v in overhead.OURS else "torch_non_private"
-            rows.append({"model": model, "batch_size": 8, "variant": v, "median_ms": 1e3 * times[v][1],
-                         "time_ratio": times[v][1] / times[base][1], "memory_mb": None})
+            rows.append(
+                {
+                    "model": model,
+                    "batch_size": 8,
+                    "variant": v,
+                    "median_ms": 1e3 * times[v][1],
+                    "time_ratio": times[v][1] / times[base][1],
+                    "memory_mb": None,
+                }
+            )
     assert overhead.peak_memory_mb("oso", "mlp", 8, 2, "cpu") >= 0
-    result = {"device": "cpu", "machine": "test", "steps": 1, "repeats": 1, "rows": rows,
-              "goals": overhead._goals(rows), "calibration": [{"steps": 10, "sample_rate": 0.01, "epsilon": 3.0,
-                                                               "noise_multiplier": 1.0, "seconds": 0.1}]}
+    result = {
+        "device": "cpu",
+        "machine": "test",
+        "steps": 1,
+        "repeats": 1,
+        "rows": rows,
+        "goals": overhead._goals(rows),
+        "calibration": [{"steps": 10, "sample_rate": 0.01, "epsilon": 3.0, "noise_multiplier": 1.0, "seconds": 0.1}],
+    }
     assert len(result["goals"]) == 4 * 2 + 2  # per model: vs fixed clip, vs Opacus; MLP, transformer: time
     overhead.write_report(result, tmp_path / "overhead")
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"]

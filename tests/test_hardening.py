@@ -37,6 +37,7 @@ def test_parameter_shared_by_two_layers():
 def test_non_finite_gradient_in_the_first_step_is_refused():
     """Refused by the step's own check (as in any step); the consistency checks, whose synthetic batch gets the NaN
     too, are skipped with a warning."""
+
     class NaNInput(ToyModel):
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -47,7 +48,9 @@ def test_non_finite_gradient_in_the_first_step_is_refused():
     model = NaNInput()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(UserWarning, match="consistency checks .* skipped: the loss is not finite"):
-        with pytest.raises(FloatingPointError, match=r"1 of the \d+ samples in training step 0 are not finite .* refused"):
+        with pytest.raises(
+            FloatingPointError, match=r"1 of the \d+ samples in training step 0 are not finite .* refused"
+        ):
             make_trainer([_dp()], max_epochs=1).fit(model, toy_loader())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 

@@ -41,16 +41,25 @@ def _synthetic_train(c, q):
         own = compute_epsilon([(dp["noise_multiplier"], q, hparams["steps"])], dp["target_delta"])
         ledger.step(dp["noise_multiplier"], q, hparams["steps"])
         r = hparams["eta"] * hparams["steps"]
-        return -(math.log(r) - math.log(c * own)) ** 2
+        return -((math.log(r) - math.log(c * own)) ** 2)
 
     return train
 
 
 def test_the_rule_recovers_a_linear_optimum_and_the_total_meets_the_target():
     q, delta = 1.0, 1e-5
-    search = LinearScalingSearch(_synthetic_train(c=40.0, q=q), target_epsilon=2.0, target_delta=delta,
-                                 sample_rate=q, r_range=(0.5, 200.0), eta_max=1.0, steps_max=500,
-                                 sweep_epsilons=(0.1, 0.2), runs_per_sweep=40, seed=1)
+    search = LinearScalingSearch(
+        _synthetic_train(c=40.0, q=q),
+        target_epsilon=2.0,
+        target_delta=delta,
+        sample_rate=q,
+        r_range=(0.5, 200.0),
+        eta_max=1.0,
+        steps_max=500,
+        sweep_epsilons=(0.1, 0.2),
+        runs_per_sweep=40,
+        seed=1,
+    )
     result = search.run()
     slope, intercept = result.line
     assert slope == pytest.approx(40.0, rel=0.2) and abs(intercept) < 1.0
@@ -79,19 +88,29 @@ def test_real_runs_through_the_plugin(tmp_path):
 
     def train(hparams, dp):
         model = ToyModel(lr=hparams["eta"], momentum=0.9)
-        trainer = make_trainer([FixedThresholdDP(clip=1.0, **dp)], max_steps=hparams["steps"],
-                               max_epochs=None)
+        trainer = make_trainer([FixedThresholdDP(clip=1.0, **dp)], max_steps=hparams["steps"], max_epochs=None)
         trainer.fit(model, DataLoader(data, batch_size=120))
         x, y = data.tensors
         with torch.no_grad():
             return float((model(x).argmax(dim=1) == y).float().mean())
 
-    search = LinearScalingSearch(train, target_epsilon=3.0, target_delta=1e-3, sample_rate=1.0,
-                                 r_range=(0.5, 20.0), eta_max=1.0, steps_max=20, runs_per_sweep=2, seed=0)
+    search = LinearScalingSearch(
+        train,
+        target_epsilon=3.0,
+        target_delta=1e-3,
+        sample_rate=1.0,
+        r_range=(0.5, 20.0),
+        eta_max=1.0,
+        steps_max=20,
+        runs_per_sweep=2,
+        seed=0,
+    )
     result = search.run()
     assert len(result.trials) == 5 and result.epsilon_spent <= 3.0
-    assert sum(t.steps for t in result.trials) == sum(t.steps for t in result.trials if t.phase != "final") + \
-        result.final.steps
+    assert (
+        sum(t.steps for t in result.trials)
+        == sum(t.steps for t in result.trials if t.phase != "final") + result.final.steps
+    )
     result.plot(str(tmp_path / "fit.png"))
     assert (tmp_path / "fit.png").stat().st_size > 10_000
     assert result.to_dict()["final_epsilon"] == pytest.approx(result.final_epsilon)
@@ -122,11 +141,19 @@ def test_a_falling_fit_never_shrinks_r_below_the_larger_sweeps_best():
         ledger = dp["accountant"]
         own = compute_epsilon([(dp["noise_multiplier"], 1.0, hparams["steps"])], dp["target_delta"])
         ledger.step(dp["noise_multiplier"], 1.0, hparams["steps"])
-        return -(math.log(hparams["eta"] * hparams["steps"]) - math.log(50.0 / own)) ** 2
+        return -((math.log(hparams["eta"] * hparams["steps"]) - math.log(50.0 / own)) ** 2)
 
-    result = LinearScalingSearch(train, target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0,
-                                 r_range=(1.0, 1000.0), eta_max=1.0, steps_max=1000, runs_per_sweep=20,
-                                 seed=0).run()
+    result = LinearScalingSearch(
+        train,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        sample_rate=1.0,
+        r_range=(1.0, 1000.0),
+        eta_max=1.0,
+        steps_max=1000,
+        runs_per_sweep=20,
+        seed=0,
+    ).run()
     assert result.line[0] < 0 and result.predicted_r < result.best_r[1]
     assert result.final_r == pytest.approx(result.best_r[1])
     assert result.epsilon_spent <= 3.0
@@ -137,14 +164,23 @@ def test_large_batches_compose_within_the_target():
     """Subsampled runs (q = 0.1, the paper's large-batch setting): the procedure still meets the target as one PRV
     composition, and the final run's own epsilon is a fixed point of the plan."""
     q, delta = 0.1, 1e-5
-    result = LinearScalingSearch(_synthetic_train(c=20.0, q=q), target_epsilon=2.0, target_delta=delta,
-                                 sample_rate=q, r_range=(0.5, 100.0), eta_max=1.0, steps_max=300, runs_per_sweep=3,
-                                 seed=2).run()
+    result = LinearScalingSearch(
+        _synthetic_train(c=20.0, q=q),
+        target_epsilon=2.0,
+        target_delta=delta,
+        sample_rate=q,
+        r_range=(0.5, 100.0),
+        eta_max=1.0,
+        steps_max=300,
+        runs_per_sweep=3,
+        seed=2,
+    ).run()
     history = [(t.noise_multiplier, q, t.steps) for t in result.trials]
     assert result.epsilon_spent == pytest.approx(compute_epsilon(history, delta)) and result.epsilon_spent <= 2.0
     final = result.final
     assert compute_epsilon([(final.noise_multiplier, q, final.steps)], delta) == pytest.approx(
-        result.final_epsilon, rel=1e-3)
+        result.final_epsilon, rel=1e-3
+    )
 
 
 def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
@@ -152,9 +188,18 @@ def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     might have chosen) is the same afterwards, and the figure is written."""
     import matplotlib
 
-    search = LinearScalingSearch(_synthetic_train(c=40.0, q=1.0), target_epsilon=2.0, target_delta=1e-5,
-                                 sample_rate=1.0, r_range=(0.5, 200.0), eta_max=1.0, steps_max=500,
-                                 sweep_epsilons=(0.1, 0.2), runs_per_sweep=3, seed=1)
+    search = LinearScalingSearch(
+        _synthetic_train(c=40.0, q=1.0),
+        target_epsilon=2.0,
+        target_delta=1e-5,
+        sample_rate=1.0,
+        r_range=(0.5, 200.0),
+        eta_max=1.0,
+        steps_max=500,
+        sweep_epsilons=(0.1, 0.2),
+        runs_per_sweep=3,
+        seed=1,
+    )
     result = search.run()
     original = matplotlib.get_backend()
     try:

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
-from helpers import ToyModel, make_trainer, toy_loader
 from lightning_oso import (
     OSODP,
     DPAdamWOSM,
@@ -18,8 +18,8 @@ from lightning_oso import (
     OSOClipping,
     PrivacyConfigurationError,
     compute_epsilon,
+    private_step,
 )
-from lightning_oso import private_step
 from lightning_oso.clipping import quantile_gradient_noise_multiplier
 
 
@@ -49,8 +49,13 @@ def test_fixed_threshold_sum_matches_brute_force(clip):
 def test_fixed_threshold_noise_std():
     rule = FixedThresholdClipping(noise_multiplier=1.7, clip=0.4)
     zeros = [torch.zeros(3, 200_000, dtype=torch.float64)]
-    out = private_step.sanitise(zeros, rule.weights(torch.ones(3, dtype=torch.float64)), rule.noise_stds(), 8.0,
-                                torch.Generator().manual_seed(3))
+    out = private_step.sanitise(
+        zeros,
+        rule.weights(torch.ones(3, dtype=torch.float64)),
+        rule.noise_stds(),
+        8.0,
+        torch.Generator().manual_seed(3),
+    )
     n = out[0].numel()
     assert out[0].std().item() == pytest.approx(0.4 * 1.7 / 8.0, rel=5 / math.sqrt(2 * n))
 
@@ -73,13 +78,16 @@ def test_centred_count_and_its_sensitivity():
     # add/remove one record: the sum moves by exactly 1/2 whatever the record
     for extra in (0.0, 0.9, 50.0):
         neighbour = torch.cat([norms, torch.tensor([extra], dtype=torch.float64)])
-        moved = private_step.centred_unclipped_count(neighbour, torch.tensor(0.9, dtype=torch.float64)).sum() - counts.sum()
+        moved = (
+            private_step.centred_unclipped_count(neighbour, torch.tensor(0.9, dtype=torch.float64)).sum() - counts.sum()
+        )
         assert abs(moved.item()) == 0.5
 
 
 def test_quantile_update_and_count_noise():
-    rule = FixedQuantileClipping(noise_multiplier=1.0, target_quantile=0.3, count_noise_std=2.0, initial_clip=1.0,
-                                 clip_lr=0.2)
+    rule = FixedQuantileClipping(
+        noise_multiplier=1.0, target_quantile=0.3, count_noise_std=2.0, initial_clip=1.0, clip_lr=0.2
+    )
     # b~ = count/B + 1/2: 0.5 + 0.5 = 1.0 unclipped fraction: above gamma, so C shrinks by exp(-0.2 (1 - 0.3))
     rule.update([], torch.tensor([0.5], dtype=torch.float64))
     assert rule.clip.item() == pytest.approx(math.exp(-0.2 * 0.7))
@@ -98,8 +106,14 @@ def test_quantile_update_and_count_noise():
 @pytest.mark.slow
 def test_quantile_clip_tracks_the_target_quantile():
     """With little noise, C_t moves from far too small to the gamma-quantile of the per-sample norms."""
-    dp = FixedQuantileDP(target_epsilon=200.0, target_delta=1e-4, target_quantile=0.5, initial_clip=1e-3,
-                         clip_lr=0.2, log_nonprivate_diagnostics=True)
+    dp = FixedQuantileDP(
+        target_epsilon=200.0,
+        target_delta=1e-4,
+        target_quantile=0.5,
+        initial_clip=1e-3,
+        clip_lr=0.2,
+        log_nonprivate_diagnostics=True,
+    )
     trainer = make_trainer([dp], max_epochs=20)
     with pytest.warns(UserWarning, match="NOT covered"):
         trainer.fit(ToyModel(lr=0.05), toy_loader(batch_size=40))
@@ -182,8 +196,15 @@ def test_wosm_without_noise_std_says_how_to_set_it():
         opt.step()
 
 
-@pytest.mark.parametrize("kwargs, name", [({"lr": 0}, "lr"), ({"beta": 1.0}, "beta"), ({"eps": -1}, "eps"),
-                                          ({"gradient_noise_std": 0}, "gradient_noise_std")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"lr": 0}, "lr"),
+        ({"beta": 1.0}, "beta"),
+        ({"eps": -1}, "eps"),
+        ({"gradient_noise_std": 0}, "gradient_noise_std"),
+    ],
+)
 def test_wosm_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DPAdamWOSM([nn.Parameter(torch.zeros(2))], **kwargs)
@@ -198,13 +219,16 @@ def test_quantile_refuses_wosm():
         make_trainer([FixedQuantileDP(target_epsilon=3.0, target_delta=1e-4)]).fit(WOSMModel(), toy_loader())
 
 
-@pytest.mark.parametrize("factory, name", [
-    (lambda: FixedThresholdDP(target_epsilon=1.0), "clip"),
-    (lambda: FixedThresholdDP(target_epsilon=1.0, clip=-1.0), "clip"),
-    (lambda: FixedQuantileDP(target_epsilon=1.0, target_quantile=1.0), "target_quantile"),
-    (lambda: FixedQuantileDP(target_epsilon=1.0, count_noise_std=0.0), "count_noise_std"),
-    (lambda: FixedQuantileDP(target_epsilon=1.0, clip_lr=-0.1), "clip_lr"),
-])
+@pytest.mark.parametrize(
+    "factory, name",
+    [
+        (lambda: FixedThresholdDP(target_epsilon=1.0), "clip"),
+        (lambda: FixedThresholdDP(target_epsilon=1.0, clip=-1.0), "clip"),
+        (lambda: FixedQuantileDP(target_epsilon=1.0, target_quantile=1.0), "target_quantile"),
+        (lambda: FixedQuantileDP(target_epsilon=1.0, count_noise_std=0.0), "count_noise_std"),
+        (lambda: FixedQuantileDP(target_epsilon=1.0, clip_lr=-0.1), "clip_lr"),
+    ],
+)
 def test_method_arguments_are_checked(factory, name):
     with pytest.raises(PrivacyConfigurationError, match=name):
         factory()

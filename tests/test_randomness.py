@@ -9,8 +9,8 @@ from scipy import stats
 
 from lightning_oso import OSODP
 from lightning_oso.data import PoissonBatchSampler
-from lightning_oso.validation import PrivacyConfigurationError
 from lightning_oso.randomness import SecureRandom, standard_normal_like
+from lightning_oso.validation import PrivacyConfigurationError
 
 
 def test_secure_normal_and_uniform_distributions():
@@ -161,9 +161,18 @@ def test_search_runs_get_their_own_streams(accounting):
             noises.append(_noise_of(FixedThresholdDP(clip=1.0, **dp)))
             return 0.0
 
-        HonestGridSearch([{"lr": 1.0}, {"lr": 1.0}], train, target_epsilon=20.0, target_delta=1e-4,
-                         sample_rate=0.1, steps_per_run=10, accounting=accounting, stop_probability=0.5,
-                         progress=False, seed=seed).run()
+        HonestGridSearch(
+            [{"lr": 1.0}, {"lr": 1.0}],
+            train,
+            target_epsilon=20.0,
+            target_delta=1e-4,
+            sample_rate=0.1,
+            steps_per_run=10,
+            accounting=accounting,
+            stop_probability=0.5,
+            progress=False,
+            seed=seed,
+        ).run()
         return noises
 
     noises = search(seed=7)

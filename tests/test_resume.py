@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_oso import FixedQuantileDP, FixedThresholdDP, OSODP, compute_epsilon
+from lightning_oso import OSODP, FixedQuantileDP, FixedThresholdDP, compute_epsilon
 from lightning_oso.ledger import read_ledger
 from lightning_oso.validation import PrivacyConfigurationError
 
@@ -44,17 +44,37 @@ class StopAt(L.Callback):
 def _pur_case():
     from helpers import Logistic, make_pur, pur_data
 
-    return (lambda **kw: make_pur(epsilon=1.0, **kw)[0], lambda: Logistic(4),
-            lambda: DataLoader(pur_data(), batch_size=120), 100_000, 5)
+    return (
+        lambda **kw: make_pur(epsilon=1.0, **kw)[0],
+        lambda: Logistic(4),
+        lambda: DataLoader(pur_data(), batch_size=120),
+        100_000,
+        5,
+    )
 
 
 CASES = {
-    "oso": (lambda **kw: OSODP(target_epsilon=3.0, target_delta=1e-4, seed=5, **kw), lambda: ToyModel(momentum=0.5),
-            toy_loader, 4, 2),
-    "fixed": (lambda **kw: FixedThresholdDP(target_epsilon=3.0, target_delta=1e-4, clip=1.0, seed=5, **kw), ToyModel,
-              toy_loader, 3, 1),
-    "quantile": (lambda **kw: FixedQuantileDP(target_epsilon=4.0, target_delta=1e-4, target_quantile=0.7, seed=2, **kw),
-                 ToyModel, toy_loader, 3, 1),
+    "oso": (
+        lambda **kw: OSODP(target_epsilon=3.0, target_delta=1e-4, seed=5, **kw),
+        lambda: ToyModel(momentum=0.5),
+        toy_loader,
+        4,
+        2,
+    ),
+    "fixed": (
+        lambda **kw: FixedThresholdDP(target_epsilon=3.0, target_delta=1e-4, clip=1.0, seed=5, **kw),
+        ToyModel,
+        toy_loader,
+        3,
+        1,
+    ),
+    "quantile": (
+        lambda **kw: FixedQuantileDP(target_epsilon=4.0, target_delta=1e-4, target_quantile=0.7, seed=2, **kw),
+        ToyModel,
+        toy_loader,
+        3,
+        1,
+    ),
     "pur": None,  # built lazily (its helpers in helpers.py)
 }
 
@@ -67,8 +87,9 @@ def _fit(root, name, ckpt_path=None, callbacks=(), **dp_kwargs):
     make_dp, make_model, make_loader, epochs, _ = _case(name)
     L.seed_everything(3, verbose=False)
     dp, model = make_dp(**dp_kwargs), make_model()
-    trainer = make_trainer([dp, *callbacks], max_epochs=epochs, enable_checkpointing=bool(callbacks),
-                           default_root_dir=root)
+    trainer = make_trainer(
+        [dp, *callbacks], max_epochs=epochs, enable_checkpointing=bool(callbacks), default_root_dir=root
+    )
     try:
         trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
     except _Stopped:
@@ -142,8 +163,9 @@ def test_two_branches_from_one_checkpoint(tmp_path, deterministic, ledger):
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     dp = FixedThresholdDP(target_epsilon=50.0, target_delta=1e-4, noise_multiplier=1.0, clip=1.0, seed=11, **kwargs)
     try:
-        make_trainer([dp, checkpoints, StopAt(epoch=1)], max_epochs=2, enable_checkpointing=True,
-                     default_root_dir=tmp_path).fit(ZeroLoss(), toy_loader())
+        make_trainer(
+            [dp, checkpoints, StopAt(epoch=1)], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path
+        ).fit(ZeroLoss(), toy_loader())
     except _Stopped:
         pass
     ckpt = str(tmp_path / "epoch=0.ckpt")
@@ -165,6 +187,7 @@ def test_mid_epoch_resume_charges_every_executed_step_and_draws_anew(tmp_path):
     """A job killed in mid-epoch, after step 7, resumed from its checkpoint at step 5: steps 6 and 7 were executed
     (and could have been logged), so they are charged although the checkpoint does not hold them, and the resumed
     epoch draws fresh batches (Lightning re-iterates a non-resumable loader from the epoch's start)."""
+
     class Recording(ToyModel):
         def on_train_batch_start(self, batch, batch_idx):  # real batches only (the checks' synthetic one is not)
             self.batches = getattr(self, "batches", []) + [sorted(batch[0].sum(1).tolist())]
@@ -174,8 +197,9 @@ def test_mid_epoch_resume_charges_every_executed_step_and_draws_anew(tmp_path):
     first = Recording()
     dp = OSODP(target_epsilon=3.0, target_delta=1e-4, noise_multiplier=1.0, seed=5)
     try:
-        make_trainer([dp, checkpoints, StopAt(step=7)], max_epochs=2, enable_checkpointing=True,
-                     default_root_dir=tmp_path).fit(first, toy_loader())
+        make_trainer(
+            [dp, checkpoints, StopAt(step=7)], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path
+        ).fit(first, toy_loader())
     except _Stopped:
         pass
     assert dp.steps == 7
@@ -183,7 +207,8 @@ def test_mid_epoch_resume_charges_every_executed_step_and_draws_anew(tmp_path):
     again = OSODP(target_epsilon=3.0, target_delta=1e-4, noise_multiplier=1.0, seed=5)
     with pytest.warns(UserWarning, match="holds 2 step"):
         make_trainer([again], max_epochs=2, default_root_dir=tmp_path).fit(
-            resumed, toy_loader(), ckpt_path=str(tmp_path / "step=5.ckpt"))
+            resumed, toy_loader(), ckpt_path=str(tmp_path / "step=5.ckpt")
+        )
     assert again.steps == 7 + 15  # charged: the 7 executed before the kill, then global steps 5..19
     assert again.epsilon == pytest.approx(compute_epsilon([(1.0, 0.1, 22)], 1e-4))
     # no batch of the resumed session repeats one the killed session drew (same seed, same step counters)
@@ -194,10 +219,12 @@ def test_resume_of_a_finished_checkpoint_reports_what_was_spent(tmp_path):
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     dp = OSODP(target_epsilon=2.0, target_delta=1e-4, seed=1)
     make_trainer([dp, checkpoints], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path).fit(
-        ToyModel(), toy_loader())
+        ToyModel(), toy_loader()
+    )
     again = OSODP(target_epsilon=2.0, target_delta=1e-4, seed=1)
     make_trainer([again], max_epochs=2, default_root_dir=tmp_path).fit(
-        ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+        ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt")
+    )
     assert again.steps == dp.steps == 20
     assert again.epsilon == dp.epsilon > 0
 
@@ -209,11 +236,13 @@ def test_resume_with_other_targets_continues_the_composition(tmp_path):
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     dp = OSODP(target_epsilon=2.0, target_delta=1e-4, seed=1)
     make_trainer([dp, checkpoints], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path).fit(
-        ToyModel(), toy_loader())
+        ToyModel(), toy_loader()
+    )
     first = [tuple(s) for s in dp.accountant.history]
     again = OSODP(target_epsilon=3.0, target_delta=5e-5, seed=1)
     make_trainer([again], max_epochs=4, default_root_dir=tmp_path).fit(
-        ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+        ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt")
+    )
     history = [tuple(s) for s in again.accountant.history]
     assert history[: len(first)] == first and again.steps == 40
     assert again.epsilon == pytest.approx(compute_epsilon(history, 5e-5))
@@ -223,7 +252,8 @@ def test_resume_with_other_targets_continues_the_composition(tmp_path):
     smaller = OSODP(target_epsilon=1.0, target_delta=1e-4, seed=1)
     with pytest.raises(PrivacyConfigurationError, match="already spent.*max_epochs/max_steps"):
         make_trainer([smaller], max_epochs=6, default_root_dir=tmp_path).fit(
-            ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+            ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt")
+        )
 
 
 @pytest.mark.slow
@@ -231,16 +261,19 @@ def test_resume_with_another_method_or_without_the_ledger_is_refused(tmp_path):
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     dp = OSODP(target_epsilon=2.0, target_delta=1e-4, seed=1)
     make_trainer([dp, checkpoints], max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path).fit(
-        ToyModel(), toy_loader())
+        ToyModel(), toy_loader()
+    )
     ckpt = str(tmp_path / "last.ckpt")
     with pytest.raises(PrivacyConfigurationError, match="trained with OSODP, this run uses FixedThresholdDP"):
         make_trainer([FixedThresholdDP(target_epsilon=2.0, target_delta=1e-4, clip=1.0)], max_epochs=2).fit(
-            ToyModel(), toy_loader(), ckpt_path=ckpt)
+            ToyModel(), toy_loader(), ckpt_path=ckpt
+        )
     ledger = next((tmp_path / "privacy_ledger").glob("*.jsonl"))
     moved = ledger.rename(tmp_path / "elsewhere.jsonl")
     with pytest.raises(PrivacyConfigurationError, match="ledger .* is missing"):
         make_trainer([OSODP(target_epsilon=2.0, target_delta=1e-4)], max_epochs=2).fit(
-            ToyModel(), toy_loader(), ckpt_path=ckpt)
+            ToyModel(), toy_loader(), ckpt_path=ckpt
+        )
     pointed = OSODP(target_epsilon=3.0, target_delta=1e-4, ledger_path=moved)
     make_trainer([pointed], max_epochs=2).fit(ToyModel(), toy_loader(), ckpt_path=ckpt)
     assert pointed.steps == 20 and len(read_ledger(moved)["steps"]) == 20
@@ -297,7 +330,8 @@ def test_kill_9_after_the_last_checkpoint_is_charged_on_resume(tmp_path):
     resumed = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, seed=5)
     with pytest.warns(UserWarning, match="holds 3 step"):
         make_trainer([resumed], max_epochs=3, default_root_dir=tmp_path).fit(
-            ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "step=10.ckpt"))
+            ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "step=10.ckpt")
+        )
     assert resumed.steps == 13 + 20  # every released step, then global steps 10..29
     assert resumed.epsilon == pytest.approx(compute_epsilon([(1.0, 0.1, 33)], 1e-4))
     assert len(read_ledger(ledger)["steps"]) == 33
@@ -310,8 +344,9 @@ def test_a_crash_that_spent_the_budget_stops_the_resume(tmp_path):
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=1.5, seed=5)
     try:
-        make_trainer([dp, checkpoints, StopAt(step=6)], max_epochs=100, enable_checkpointing=True,
-                     default_root_dir=tmp_path).fit(ToyModel(), toy_loader())
+        make_trainer(
+            [dp, checkpoints, StopAt(step=6)], max_epochs=100, enable_checkpointing=True, default_root_dir=tmp_path
+        ).fit(ToyModel(), toy_loader())
     except _Stopped:
         pass
     assert dp.steps == 6 and dp.max_steps == 9

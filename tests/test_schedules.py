@@ -37,8 +37,10 @@ def test_schedule_values_are_those_of_proposition_3():
         (dict(kind="nonconvex", smoothness=1.0, dimension=2, initial_gap=-1.0), "initial_gap must be a positive"),
         (dict(kind="convex", smoothness=0.0, dimension=2, radius=1.0), "smoothness"),
         (dict(kind="convex", smoothness=1.0, dimension=0, radius=1.0), "dimension"),
-        (dict(kind="strongly_convex", smoothness=1.0, dimension=2, initial_gap=1.0, strong_convexity=2.0),
-         "cannot exceed smoothness"),
+        (
+            dict(kind="strongly_convex", smoothness=1.0, dimension=2, initial_gap=1.0, strong_convexity=2.0),
+            "cannot exceed smoothness",
+        ),
     ],
 )
 def test_schedule_refuses_inputs_that_violate_its_assumptions(kwargs, message):
@@ -107,8 +109,9 @@ def test_logistic_regression_constants_and_feature_norms():
 def test_synthetic_data_follows_the_paper():
     z, y = schedules.synthetic_classification(20_000, 2, 0.1, seed=0)
     covariance = torch.cov(z.T.double())
-    torch.testing.assert_close(covariance, torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64), atol=0.08,
-                               rtol=0)
+    torch.testing.assert_close(
+        covariance, torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64), atol=0.08, rtol=0
+    )
     positive_side = z.sum(dim=1) > 0
     assert float((y[positive_side] == 1).float().mean()) == pytest.approx(0.9, abs=0.01)
     assert float((y[~positive_side] == 1).float().mean()) == pytest.approx(0.1, abs=0.01)
@@ -126,14 +129,19 @@ def test_pur_trains_until_the_budget_is_spent_and_logs_the_schedule(tmp_path):
     assert dp.epsilon <= 2.0
     # the next step of the schedule would overspend
     n = 120
-    history = [(schedules.gaussian_multiplier(s, dp.lipschitz, n), 1.0, 1) for s in schedule.noise_stds(1, dp.steps + 1)]
+    history = [
+        (schedules.gaussian_multiplier(s, dp.lipschitz, n), 1.0, 1) for s in schedule.noise_stds(1, dp.steps + 1)
+    ]
     assert compute_epsilon(history[:-1], 1 / n) == pytest.approx(dp.epsilon)
     assert compute_epsilon(history, 1 / n) > 2.0
     assert trainer.optimizers[0].param_groups[0]["lr"] == schedule.step_size  # eta = 1/(2M)
     logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     header = logged[0].split(",")
-    stds = [float(row.split(",")[header.index("dp/noise_std")]) for row in logged[1:]
-            if row.split(",")[header.index("dp/noise_std")]]
+    stds = [
+        float(row.split(",")[header.index("dp/noise_std")])
+        for row in logged[1:]
+        if row.split(",")[header.index("dp/noise_std")]
+    ]
     assert stds[:3] == pytest.approx(schedule.noise_stds(1, 3), rel=1e-6)
     zcdp, _ = make_pur(accountant="zcdp")
     make_trainer([zcdp], max_epochs=100_000).fit(Logistic(4), DataLoader(pur_data(), batch_size=120))
@@ -192,8 +200,12 @@ def test_merged_full_batch_history_matches_the_independent_heterogeneous_prv_com
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = PRVAccountant(
-            prvs=[PoissonSubsampledGaussianMechanism(sampling_probability=1.0, noise_multiplier=nu) for nu in multipliers],
-            max_self_compositions=[1] * 8, eps_error=0.01, delta_error=delta / 1000,
+            prvs=[
+                PoissonSubsampledGaussianMechanism(sampling_probability=1.0, noise_multiplier=nu) for nu in multipliers
+            ],
+            max_self_compositions=[1] * 8,
+            eps_error=0.01,
+            delta_error=delta / 1000,
         )
         _, estimate, _ = theirs.compute_epsilon(delta=delta, num_self_compositions=[1] * 8)
     ours = compute_epsilon([(nu, 1.0, 1) for nu in multipliers], delta)

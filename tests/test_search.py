@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from helpers import ToyModel, make_trainer, toy_loader
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from helpers import ToyModel, make_trainer, toy_loader
-from lightning_oso import FixedThresholdDP, OSODP, PrivacyConfigurationError, compute_epsilon
+from lightning_oso import OSODP, FixedThresholdDP, PrivacyConfigurationError, compute_epsilon
 from lightning_oso.search import (
     HonestGridSearch,
     grid,
@@ -39,8 +39,16 @@ def test_log_grid_and_grid():
 
 def test_grid_budget_is_one_composition_of_all_runs_and_matches_opacus():
     candidates = grid(lr=[0.1, 1.0], clip=[0.1, 1.0, 10.0])
-    search = HonestGridSearch(candidates, _train, target_epsilon=2.0, target_delta=1e-4, sample_rate=0.1,
-                              steps_per_run=STEPS, seeds=(0, 1), progress=False)
+    search = HonestGridSearch(
+        candidates,
+        _train,
+        target_epsilon=2.0,
+        target_delta=1e-4,
+        sample_rate=0.1,
+        steps_per_run=STEPS,
+        seeds=(0, 1),
+        progress=False,
+    )
     result = search.run()
     nu = result.noise_multiplier
     assert len(result.runs) == 12 and all(r.steps == STEPS for r in result.runs)
@@ -70,8 +78,17 @@ def test_grid_budget_is_one_composition_of_all_runs_and_matches_opacus():
 
 
 def test_charging_seeds_covers_every_run():
-    search = HonestGridSearch([{"lr": 0.5, "clip": 1.0}] * 2, _train, target_epsilon=2.0, target_delta=1e-4,
-                              sample_rate=0.1, steps_per_run=STEPS, seeds=(0, 1, 2), charge_seeds=True, progress=False)
+    search = HonestGridSearch(
+        [{"lr": 0.5, "clip": 1.0}] * 2,
+        _train,
+        target_epsilon=2.0,
+        target_delta=1e-4,
+        sample_rate=0.1,
+        steps_per_run=STEPS,
+        seeds=(0, 1, 2),
+        charge_seeds=True,
+        progress=False,
+    )
     result = search.run()
     assert result.epsilon_spent == pytest.approx(compute_epsilon([(result.noise_multiplier, 0.1, 6 * STEPS)], 1e-4))
     assert result.epsilon_spent <= 2.0
@@ -79,8 +96,9 @@ def test_charging_seeds_covers_every_run():
 
 def test_a_run_that_ignores_the_budget_is_caught():
     def careless(candidate, seed, dp):
-        make_trainer([OSODP(target_epsilon=dp["target_epsilon"], target_delta=dp["target_delta"])],
-                     max_steps=STEPS).fit(ToyModel(), toy_loader())
+        make_trainer(
+            [OSODP(target_epsilon=dp["target_epsilon"], target_delta=dp["target_delta"])], max_steps=STEPS
+        ).fit(ToyModel(), toy_loader())
         return 0.0
 
     search = HonestGridSearch([{"lr": 1.0}], careless, 2.0, 1e-4, 0.1, STEPS, progress=False)
@@ -116,9 +134,17 @@ def test_random_stopping_theorem_and_its_inverse():
 
 def test_random_stopping_search_shows_the_blow_up():
     candidates = grid(lr=[0.5, 1.0], clip=[1.0])
-    search = HonestGridSearch(candidates, _train, target_epsilon=4.0, target_delta=1e-4, sample_rate=0.1,
-                              steps_per_run=STEPS, accounting="random_stopping", stop_probability=0.5,
-                              progress=False)
+    search = HonestGridSearch(
+        candidates,
+        _train,
+        target_epsilon=4.0,
+        target_delta=1e-4,
+        sample_rate=0.1,
+        steps_per_run=STEPS,
+        accounting="random_stopping",
+        stop_probability=0.5,
+        progress=False,
+    )
     result = search.run()
     assert result.epsilon_spent <= 4.0 + 1e-9
     eps_1, delta_1 = search.run_epsilon, search.run_delta
@@ -148,26 +174,45 @@ def test_noisy_argmax_is_the_exponential_mechanism():
 def test_noisy_selection_in_a_search_and_its_arguments():
     with pytest.raises(PrivacyConfigurationError, match="score_sensitivity"):
         HonestGridSearch([{"lr": 1.0}], _train, 2.0, 1e-4, 0.1, STEPS, selection="noisy", selection_epsilon=1.0)
-    search = HonestGridSearch(grid(lr=[0.5, 1.0], clip=[1.0]), _train, 2.0, 1e-4, 0.1, STEPS, selection="noisy",
-                              selection_epsilon=1.0, score_sensitivity=1 / 200, progress=False)
+    search = HonestGridSearch(
+        grid(lr=[0.5, 1.0], clip=[1.0]),
+        _train,
+        2.0,
+        1e-4,
+        0.1,
+        STEPS,
+        selection="noisy",
+        selection_epsilon=1.0,
+        score_sensitivity=1 / 200,
+        progress=False,
+    )
     result = search.run()
     assert result.selection == "noisy" and "report-noisy-max" in result.report()
     assert "un-noised" not in result.report()
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"candidates": []}, "candidates"),
-    ({"steps_per_run": 0}, "steps_per_run"),
-    ({"seeds": ()}, "seeds"),
-    ({"mode": "best"}, "mode"),
-    ({"accounting": "lt"}, "accounting"),
-    ({"sample_rate": 1.5}, "sample_rate"),
-    ({"target_epsilon": 0}, "target_epsilon"),
-    ({"selection": "random"}, "selection"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"candidates": []}, "candidates"),
+        ({"steps_per_run": 0}, "steps_per_run"),
+        ({"seeds": ()}, "seeds"),
+        ({"mode": "best"}, "mode"),
+        ({"accounting": "lt"}, "accounting"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"target_epsilon": 0}, "target_epsilon"),
+        ({"selection": "random"}, "selection"),
+    ],
+)
 def test_search_arguments_are_checked(kwargs, name):
-    args = dict(candidates=[{"lr": 1.0}], train_fn=_train, target_epsilon=1.0, target_delta=1e-5, sample_rate=0.1,
-                steps_per_run=10)
+    args = dict(
+        candidates=[{"lr": 1.0}],
+        train_fn=_train,
+        target_epsilon=1.0,
+        target_delta=1e-5,
+        sample_rate=0.1,
+        steps_per_run=10,
+    )
     args.update(kwargs)
     with pytest.raises(PrivacyConfigurationError, match=name):
         HonestGridSearch(**args)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import lightning.pytorch as L
 import pytest
@@ -69,14 +69,36 @@ CASES = [
     Case("linear_no_bias", lambda: nn.Linear(16, 24, bias=False), (4, 16), (4, 24), 4),
     Case("linear_bias", lambda: nn.Linear(16, 24), (4, 16), (4, 24), 4),
     Case("linear_instantiated", lambda: nn.Linear(4, 3), (8, 4), (8, 3), 8),  # T (d_in + d_out) > d_in d_out
-    Case("conv1d_ghost", lambda: nn.Conv1d(8, 32, 3, stride=3), (8, 6), (32, 2), 2, _conv1d_x(3, 6),
-         channels_first=True),
-    Case("conv1d_grouped", lambda: nn.Conv1d(2, 3, 2, stride=2), (2, 16), (3, 8), 8, _conv1d_x(2, 16),
-         channels_first=True),
-    Case("conv2d_ghost", lambda: nn.Conv2d(4, 32, 2, stride=2), (4, 4, 4), (32, 2, 2), 4, _conv2d_x(2, (4, 4)),
-         channels_first=True),
-    Case("conv2d_grouped", lambda: nn.Conv2d(2, 3, 2, stride=2), (2, 8, 8), (3, 4, 4), 16, _conv2d_x(2, (8, 8)),
-         channels_first=True),
+    Case(
+        "conv1d_ghost", lambda: nn.Conv1d(8, 32, 3, stride=3), (8, 6), (32, 2), 2, _conv1d_x(3, 6), channels_first=True
+    ),
+    Case(
+        "conv1d_grouped",
+        lambda: nn.Conv1d(2, 3, 2, stride=2),
+        (2, 16),
+        (3, 8),
+        8,
+        _conv1d_x(2, 16),
+        channels_first=True,
+    ),
+    Case(
+        "conv2d_ghost",
+        lambda: nn.Conv2d(4, 32, 2, stride=2),
+        (4, 4, 4),
+        (32, 2, 2),
+        4,
+        _conv2d_x(2, (4, 4)),
+        channels_first=True,
+    ),
+    Case(
+        "conv2d_grouped",
+        lambda: nn.Conv2d(2, 3, 2, stride=2),
+        (2, 8, 8),
+        (3, 4, 4),
+        16,
+        _conv2d_x(2, (8, 8)),
+        channels_first=True,
+    ),
     Case("embedding", lambda: nn.Embedding(10, 8), (4,), (4, 8), 4, integer_input=True),
     Case("layer_norm", lambda: nn.LayerNorm(8), (4, 8), (4, 8), 4, normalised=True),
     Case("group_norm", lambda: nn.GroupNorm(2, 4), (4, 2, 2), (4, 2, 2), 4, normalised=True, channels_first=True),
@@ -306,8 +328,13 @@ def test_tiny_record_norm_is_not_rounded_to_zero(case):
 
 def test_cases_reach_both_conv_branches_and_instantiation():
     """The cases exercise what they are named after (ghost/unfold, grouped convolution, instantiated Linear)."""
-    for name, instantiated in [("conv1d_ghost", False), ("conv2d_ghost", False), ("conv1d_grouped", True),
-                               ("conv2d_grouped", True), ("linear_no_bias", False)]:
+    for name, instantiated in [
+        ("conv1d_ghost", False),
+        ("conv2d_ghost", False),
+        ("conv1d_grouped", True),
+        ("conv2d_grouped", True),
+        ("linear_no_bias", False),
+    ]:
         case = BY_NAME[name]
         *_, kinds = production(_layer(case), *_benign(case))
         assert (kinds[0] is _Instantiated) == instantiated, name
@@ -400,8 +427,7 @@ def _released_through_trainer(monkeypatch, x, v, mode):
     monkeypatch.setattr(PrivateTraining, "privatise", spy)
     torch.manual_seed(0)
     module = SequenceModule()
-    dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, initial_clip=CLIP,
-               grad_sample_mode=mode)
+    dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, initial_clip=CLIP, grad_sample_mode=mode)
     make_trainer([dp], max_steps=1).fit(module, DataLoader(TensorDataset(x, v), batch_size=len(x)))
     assert dp.steps == 1
     return captured["sums"].double()
@@ -409,11 +435,14 @@ def _released_through_trainer(monkeypatch, x, v, mode):
 
 @pytest.mark.parametrize(
     "mode, scale_a, scale_b, d",
-    [("book_keeping", 1e5, 1.0, 1e-4), ("book_keeping", 1e4, 10.0, 2.0**-21), ("book_keeping", 1e30, 1e-20, 1e-4),
-     ("hooks", 1e30, 1e-10, 1e-4)],
+    [
+        ("book_keeping", 1e5, 1.0, 1e-4),
+        ("book_keeping", 1e4, 10.0, 2.0**-21),
+        ("book_keeping", 1e30, 1e-20, 1e-4),
+        ("hooks", 1e30, 1e-10, 1e-4),
+    ],
 )
-def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(monkeypatch, mode, scale_a, scale_b,
-                                                                               d):
+def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(monkeypatch, mode, scale_a, scale_b, d):
     """End to end: the released (noiseless) clipped and direction sums of a batch with and without the
     adversarial record differ by at most ``C`` and 1, up to the release's float32 rounding; the step is not refused
     (also for the huge records, whose Gram products, or per-sample gradients' squares, overflow float32)."""

@@ -18,4 +18,4 @@ from lightning_oso.callbacks.pur import PURDP
 from lightning_oso.callbacks.quantile import FixedQuantileDP
 from lightning_oso.randomness import root_seed_sequence
 
-__all__ = ["DPCallback", "FixedQuantileDP", "FixedThresholdDP", "OSODP", "PURDP", "root_seed_sequence"]
+__all__ = ["OSODP", "PURDP", "DPCallback", "FixedQuantileDP", "FixedThresholdDP", "root_seed_sequence"]

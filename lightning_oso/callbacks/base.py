@@ -23,9 +23,9 @@ from typing_extensions import override
 
 from lightning_oso import _compat, planning
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
-from lightning_oso.clipping import ClippingRule
 from lightning_oso.callbacks._docs import _document_shared_args
 from lightning_oso.callbacks._session import LedgerSession
+from lightning_oso.clipping import ClippingRule
 from lightning_oso.randomness import RunRandomness
 from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
@@ -79,7 +79,7 @@ class DPCallback(LedgerSession, Callback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
+        ledger_path: str | os.PathLike | bool | None = None,
         deterministic_resume: bool = False,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, noise_multiplier)
@@ -106,8 +106,10 @@ class DPCallback(LedgerSession, Callback):
                 f"secure_rng=True draws from the operating system's secure generator, which cannot be seeded, but "
                 f"seed={seed} was passed: drop the seed (the run is then not reproducible) or set secure_rng=False"
             )
-        if seed is not None and not isinstance(seed, np.random.SeedSequence) and (
-            isinstance(seed, bool) or not isinstance(seed, int) or seed < 0
+        if (
+            seed is not None
+            and not isinstance(seed, np.random.SeedSequence)
+            and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0)
         ):
             raise PrivacyConfigurationError(
                 f"seed must be a non-negative int, a numpy SeedSequence or None, got {seed!r}"
@@ -115,9 +117,7 @@ class DPCallback(LedgerSession, Callback):
         if not (ledger_path is None or ledger_path is False or isinstance(ledger_path, (str, os.PathLike))):
             raise PrivacyConfigurationError(f"ledger_path must be a path, None or False, got {ledger_path!r}")
         if not isinstance(deterministic_resume, bool):
-            raise PrivacyConfigurationError(
-                f"deterministic_resume must be True or False, got {deterministic_resume!r}"
-            )
+            raise PrivacyConfigurationError(f"deterministic_resume must be True or False, got {deterministic_resume!r}")
         if deterministic_resume and seed is None:
             raise PrivacyConfigurationError(
                 "deterministic_resume=True repeats the randomness of the uninterrupted run, which needs its seed: pass "
@@ -135,7 +135,9 @@ class DPCallback(LedgerSession, Callback):
         self.deterministic_resume = deterministic_resume
 
         self.accountant = (
-            accountant if isinstance(accountant, PrivacyAccountant) else PrivacyAccountant(self.target_delta, accountant)
+            accountant
+            if isinstance(accountant, PrivacyAccountant)
+            else PrivacyAccountant(self.target_delta, accountant)
         )
         self.rule: ClippingRule | None = None
         self.max_steps: int | None = None  # the most steps the accountant's history may hold (set at train start)
@@ -174,8 +176,15 @@ class DPCallback(LedgerSession, Callback):
         at ``(nu, sample_rate)`` that fit the budget. A method whose noise follows a schedule overrides it (``PURDP``).
         """
         noise = self._resolve_noise_multiplier(sample_rate, remaining_steps)
-        allowed = planning.steps_within_budget(noise, sample_rate, self.target_epsilon, self.target_delta,
-                                               self.accountant.accountant, self.accountant.history, limit)
+        allowed = planning.steps_within_budget(
+            noise,
+            sample_rate,
+            self.target_epsilon,
+            self.target_delta,
+            self.accountant.accountant,
+            self.accountant.history,
+            limit,
+        )
         return noise, allowed
 
     # ------------------------------------------------------------------ public state
@@ -234,8 +243,9 @@ class DPCallback(LedgerSession, Callback):
 
             root = None if self.secure_rng else trainer.strategy.broadcast(callbacks.root_seed_sequence(self.seed))
             self._randomness = RunRandomness(root, secure=self.secure_rng)
-        self._strategy.configure_privacy(self._randomness, loss_reduction=self.loss_reduction,
-                                         grad_sample_mode=self.grad_sample_mode)
+        self._strategy.configure_privacy(
+            self._randomness, loss_reduction=self.loss_reduction, grad_sample_mode=self.grad_sample_mode
+        )
         self._strategy.collect_diagnostics = self.log_nonprivate_diagnostics
         if self.log_nonprivate_diagnostics:
             rank_zero_warn(
@@ -297,10 +307,16 @@ class DPCallback(LedgerSession, Callback):
         noise, allowed = self.plan(q, planned - trainer.global_step, limit)
         self.max_steps = taken + allowed
         if allowed < 1:
-            raise planning.no_step_allowed(taken, lambda: self.epsilon, noise, q, self.target_epsilon,
-                                           self.target_delta)
-        planning.check_min_steps(trainer.fit_loop.min_steps or 0, trainer.fit_loop.min_epochs or 0,
-                                 trainer.num_training_batches, trainer.global_step, allowed)
+            raise planning.no_step_allowed(
+                taken, lambda: self.epsilon, noise, q, self.target_epsilon, self.target_delta
+            )
+        planning.check_min_steps(
+            trainer.fit_loop.min_steps or 0,
+            trainer.fit_loop.min_epochs or 0,
+            trainer.num_training_batches,
+            trainer.global_step,
+            allowed,
+        )
         try:
             self.rule = self.make_rule(noise, strategy.expected_batch_size)
         except ValueError as err:
@@ -341,8 +357,14 @@ class DPCallback(LedgerSession, Callback):
                 "calibrated anew for the steps the trainer still plans"
             )
         return planning.calibrated_noise_multiplier(
-            type(self).__name__, self.target_epsilon, self.target_delta, sample_rate, remaining_steps,
-            self.accountant.accountant, self.accountant.history, lambda: self.epsilon,
+            type(self).__name__,
+            self.target_epsilon,
+            self.target_delta,
+            sample_rate,
+            remaining_steps,
+            self.accountant.accountant,
+            self.accountant.history,
+            lambda: self.epsilon,
         )
 
     # ------------------------------------------------------------------ per step

@@ -62,17 +62,29 @@ class OSODP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
+        ledger_path: str | os.PathLike | bool | None = None,
         deterministic_resume: bool = False,
     ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
+        super().__init__(
+            target_epsilon,
+            target_delta,
+            noise_multiplier,
+            accountant,
+            loss_reduction,
+            seed,
+            log_nonprivate_diagnostics,
+            grad_sample_mode,
+            secure_rng,
+            ledger_path,
+            deterministic_resume,
+        )
         self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.lr_lr = check_number("lr_lr", lr_lr)
-        if isinstance(direction_noise_ratio, bool) or not isinstance(direction_noise_ratio, (int, float)) or not (
-            direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio)
+        if (
+            isinstance(direction_noise_ratio, bool)
+            or not isinstance(direction_noise_ratio, (int, float))
+            or not (direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio))
         ):
             raise PrivacyConfigurationError(
                 f"direction_noise_ratio (nu_q / nu) must be a finite number > 1, got {direction_noise_ratio!r}"

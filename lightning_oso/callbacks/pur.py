@@ -66,12 +66,22 @@ class PURDP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
+        ledger_path: str | os.PathLike | bool | None = None,
         deterministic_resume: bool = False,
     ) -> None:
-        super().__init__(target_epsilon, target_delta, None, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
+        super().__init__(
+            target_epsilon,
+            target_delta,
+            None,
+            accountant,
+            loss_reduction,
+            seed,
+            log_nonprivate_diagnostics,
+            grad_sample_mode,
+            secure_rng,
+            ledger_path,
+            deterministic_resume,
+        )
         if not isinstance(schedule, PURSchedule):
             raise PrivacyConfigurationError(
                 f"schedule must be a lightning_oso.schedules.PURSchedule, got {type(schedule).__name__}"
@@ -111,14 +121,19 @@ class PURDP(DPCallback):
 
         scheduled = planning.full_batch_schedule(multiplier_at, first)
         allowed = planning.scheduled_steps_within_budget(  # the cost per step only grows
-            scheduled, self.target_epsilon, self.target_delta, self.accountant.accountant, self.accountant.history,
+            scheduled,
+            self.target_epsilon,
+            self.target_delta,
+            self.accountant.accountant,
+            self.accountant.history,
             limit,
         )
         return multiplier_at(first), allowed
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
-        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._strategy.num_samples,
-                                      self._first_step)
+        return ScheduledNoiseClipping(
+            self.schedule.noise_std, self.lipschitz, self._strategy.num_samples, self._first_step
+        )
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):

@@ -60,12 +60,22 @@ class FixedQuantileDP(DPCallback):
         log_nonprivate_diagnostics: bool = False,
         grad_sample_mode: str = "book_keeping",
         secure_rng: bool = False,
-        ledger_path: str | os.PathLike | None | bool = None,
+        ledger_path: str | os.PathLike | bool | None = None,
         deterministic_resume: bool = False,
     ) -> None:
-        super().__init__(target_epsilon, target_delta, noise_multiplier, accountant, loss_reduction, seed,
-                         log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-                         deterministic_resume)
+        super().__init__(
+            target_epsilon,
+            target_delta,
+            noise_multiplier,
+            accountant,
+            loss_reduction,
+            seed,
+            log_nonprivate_diagnostics,
+            grad_sample_mode,
+            secure_rng,
+            ledger_path,
+            deterministic_resume,
+        )
         target_quantile = check_number("target_quantile", target_quantile, positive=True)
         if not target_quantile < 1:
             raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")
