@@ -41,9 +41,9 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {name: {"normal": [], "poisson_mask": []} for name in generators}
     for _ in range(args.repeats + 1):  # the first round warms up
         for name, gen in generators.items():
-            times[name]["normal"].append(_time(lambda: standard_normal_like(like, gen), args.device))
+            times[name]["normal"].append(_time(lambda gen=gen: standard_normal_like(like, gen), args.device))
             cpu_gen = gen if name == "secure" else torch.Generator().manual_seed(0)
-            times[name]["poisson_mask"].append(_time(lambda: uniform(60_000, cpu_gen) < 0.004, "cpu"))
+            times[name]["poisson_mask"].append(_time(lambda cpu_gen=cpu_gen: uniform(60_000, cpu_gen) < 0.004, "cpu"))
     result = {
         "numbers": args.numbers,
         "device": args.device,

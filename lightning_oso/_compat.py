@@ -18,9 +18,9 @@ is short and named. Tested with lightning 2.6.6 (``constraints.txt``; ``pyprojec
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 
 
@@ -29,12 +29,12 @@ def replace_strategy(trainer: Trainer, strategy: Strategy) -> None:
     trainer._accelerator_connector.strategy = strategy
 
 
-def checkpoint_io(strategy: Strategy) -> Any:
+def checkpoint_io(strategy: Strategy) -> CheckpointIO | None:
     """The checkpoint IO the strategy was configured with (``None``: Lightning's default)."""
     return strategy._checkpoint_io
 
 
-def precision_plugin(strategy: Strategy) -> Any:
+def precision_plugin(strategy: Strategy) -> Precision | None:
     """The precision plugin the strategy was configured with (``None``: Lightning's default)."""
     return strategy._precision_plugin
 

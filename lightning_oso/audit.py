@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import lightning.pytorch as L
 import numpy as np
@@ -37,6 +38,10 @@ from scipy import stats
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+from typing_extensions import override
+
+from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.validation import check_callable, check_int, check_number, check_open_interval, check_positive
 
 #: Canary-slot markers in the audited data: a real record, a null record (an empty slot).
 REAL, NULL = -1, -2
@@ -150,12 +155,20 @@ class AuditResult:
     correct: int
 
 
+class SizedDataset(Protocol):
+    """A map-style dataset with a length: what the audit adds its canary slots to (a ``TensorDataset``, say)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
 class CanaryData(Dataset):
     """The training records followed by ``len(included)`` canary slots: items ``(x, y, slot)`` with ``slot = REAL``
     for a training record, the canary's index if its slot is filled, ``NULL`` otherwise. Slots have ``x`` all zeros
     and label 0; the audited module gives them no gradient but the canary's."""
 
-    def __init__(self, dataset: Dataset, included: Tensor) -> None:
+    def __init__(self, dataset: SizedDataset, included: Tensor) -> None:
         self.dataset, self.included = dataset, included
         self.real = len(dataset)
         x, y = dataset[0][:2]
@@ -164,7 +177,7 @@ class CanaryData(Dataset):
     def __len__(self) -> int:
         return self.real + len(self.included)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Any, Any, Tensor]:
         if index < self.real:
             x, y = self.dataset[index][:2]
             return x, y, torch.tensor(REAL)
@@ -184,6 +197,10 @@ class AuditedModule(L.LightningModule):
         lr: SGD's learning rate; ``momentum`` its momentum.
         loss: the task's per-sample loss, ``loss(output, target, reduction="none")`` (default cross-entropy).
         canary_gradient_norm: the norm of a canary's gradient before clipping; far above any ``C_t``.
+
+    Raises:
+        PrivacyConfigurationError: for ``canaries < 1``, a non-positive ``lr`` or ``canary_gradient_norm``, a
+            negative ``momentum``, or a ``loss`` that is not callable.
     """
 
     def __init__(
@@ -196,15 +213,19 @@ class AuditedModule(L.LightningModule):
         canary_gradient_norm: float = 1e3,
     ) -> None:
         super().__init__()
-        self.network, self.canaries, self.lr, self.momentum = network, canaries, lr, momentum
-        self.task_loss, self.canary_gradient_norm = loss, canary_gradient_norm
+        self.network, self.canaries = network, check_int("canaries", canaries, minimum=1)
+        self.lr, self.momentum = check_positive("lr", lr), check_number("momentum", momentum)
+        self.task_loss = check_callable("loss", loss)
+        self.canary_gradient_norm = check_positive("canary_gradient_norm", canary_gradient_norm)
         self.canary_layer = nn.Linear(canaries, 1, bias=False)
         nn.init.zeros_(self.canary_layer.weight)
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         return self.network(x)
 
-    def training_step(self, batch, batch_idx):
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y, slot = batch
         task = self.task_loss(self.network(x), y, reduction="none") * (slot == REAL)
         is_canary = (slot >= 0).unsqueeze(1)
@@ -216,7 +237,8 @@ class AuditedModule(L.LightningModule):
         """``w_i`` for every canary slot: what the auditor sees of the trained model."""
         return self.canary_layer.weight.detach().flatten().cpu()
 
-    def configure_optimizers(self):
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
@@ -228,22 +250,32 @@ class CanaryAudit:
         canaries: ``m``, the number of canary slots (each filled with probability 1/2).
         seed: seed of the draw of the filled slots.
 
-    Example::
+    Raises:
+        PrivacyConfigurationError: for ``canaries < 2`` or a negative ``seed``.
 
-        audit = CanaryAudit(canaries=1000, seed=0)
-        module = AuditedModule(network, audit.canaries, lr=3.0)
-        dp = OSODP(target_epsilon=3.0)
-        L.Trainer(max_epochs=30, callbacks=[dp]).fit(module, DataLoader(audit.data(train_set), batch_size=64))
-        print(audit.result(module, dp.epsilon, dp.target_delta))
+    A real audit trains the module under a DP callback between building the data and reading the result:
+    ``L.Trainer(max_epochs=30, callbacks=[dp]).fit(module, DataLoader(audit.data(train_set), batch_size=64))``,
+    then ``audit.result(module, dp.epsilon, dp.target_delta)`` (``examples/audit_digits.py``). Untrained, the
+    canaries' scores say nothing, and the bound is 0:
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> audit = CanaryAudit(canaries=100, seed=0)
+        >>> train_set = TensorDataset(torch.randn(50, 4), torch.randint(0, 2, (50,)))
+        >>> len(audit.data(train_set))  # the 50 records, then the 100 canary slots
+        150
+        >>> module = AuditedModule(nn.Linear(4, 2), audit.canaries, lr=3.0)
+        >>> audit.result(module, claimed_epsilon=3.0, delta=1e-5).epsilon_lower_bound
+        0.0
     """
 
     def __init__(self, canaries: int = 1000, seed: int = 0) -> None:
-        if isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 2:
-            raise ValueError(f"canaries must be an int >= 2, got {canaries!r}")
-        self.canaries = canaries
+        self.canaries = check_int("canaries", canaries, minimum=2)
+        seed = check_int("seed", seed, minimum=0)
         self.included = torch.rand(canaries, generator=torch.Generator().manual_seed(seed)) < 0.5
 
-    def data(self, dataset: Dataset) -> CanaryData:
+    def data(self, dataset: SizedDataset) -> CanaryData:
+        """``dataset`` followed by this audit's canary slots (train on this, with the audited module)."""
         return CanaryData(dataset, self.included)
 
     def result(
@@ -255,14 +287,31 @@ class CanaryAudit:
         guess_fractions: Sequence[float] = (0.05, 0.1, 0.25, 0.5, 1.0),
     ) -> AuditResult:
         """The lower bound from the trained module's canary scores. Each fraction of the canaries is one way to
-        guess; the best is reported, at ``confidence`` for all of them together (Bonferroni)."""
+        guess; the best is reported, at ``confidence`` for all of them together (Bonferroni).
+
+        Raises:
+            PrivacyConfigurationError: for a negative ``delta``, ``confidence`` outside ``(0, 1)``, or no guess
+                fraction, or one outside ``(0, 1]``.
+        """
+        delta = check_number("delta", delta)
+        confidence = check_open_interval("confidence", confidence, 0, 1)
+        if not guess_fractions:
+            raise PrivacyConfigurationError("guess_fractions must hold at least one fraction of the canaries")
+        for fraction in guess_fractions:
+            _check_fraction("each of guess_fractions", fraction)
         scores = module.canary_scores()
         level = 1.0 - (1.0 - confidence) / len(guess_fractions)
-        best = None
+        results = []
         for fraction in guess_fractions:
             guesses = max(2, 2 * int(fraction * self.canaries / 2))
             correct = count_correct_guesses(scores, self.included, guesses)
             bound = one_run_epsilon_lower_bound(self.canaries, guesses, correct, delta, level)
-            if best is None or bound > best.epsilon_lower_bound:
-                best = AuditResult(bound, claimed_epsilon, delta, confidence, self.canaries, guesses, correct)
-        return best
+            results.append(AuditResult(bound, claimed_epsilon, delta, confidence, self.canaries, guesses, correct))
+        return max(results, key=lambda result: result.epsilon_lower_bound)  # the first of the best, on ties
+
+
+def _check_fraction(name: str, value: Any) -> float:
+    """A fraction in (0, 1], as float (``validation`` has open intervals only; 1 guesses on every canary)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise PrivacyConfigurationError(f"{name} must lie in (0, 1], got {value!r}")
+    return float(value)

@@ -1,4 +1,4 @@
-"""Poisson sampling of the training data (spec section 0, "Sampling").
+"""Poisson sampling of the training data (docs/algorithms.md, "What is private").
 
 Every batch takes each record independently with probability ``q``; batch sizes vary and can be zero. The
 accountant's amplification-by-subsampling analysis holds only for this sampling: shuffled fixed-size batches void it.
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
+from typing import Any
 
 import torch
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
@@ -24,7 +25,9 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_oso import randomness
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.randomness import SAMPLING, RunRandomness, Seed
+from lightning_oso.validation import check_int
 
 
 class PoissonBatchSampler:
@@ -54,6 +57,19 @@ class PoissonBatchSampler:
         first_step: the step counter of the first batch (the ledger's executed steps when the sampler is made).
         indices: the dataset indices of the records to sample from, ``N`` of them without duplicates; the shards
             are the positions ``rank, rank + world_size, ...`` of this list. ``None``: ``range(num_samples)``.
+
+    Raises:
+        PrivacyConfigurationError: for a non-positive ``num_samples`` or ``steps``, ``sample_rate`` outside
+            ``(0, 1]``, ``rank`` outside ``[0, world_size)``, a negative ``first_step``, or ``indices`` of another
+            length than ``num_samples``.
+
+    Example:
+        >>> sampler = PoissonBatchSampler(num_samples=1000, sample_rate=0.01, steps=3, seed=0)
+        >>> batches = list(sampler)
+        >>> len(batches), all(0 <= i < 1000 for batch in batches for i in batch)
+        (3, True)
+        >>> list(PoissonBatchSampler(1000, 0.01, 3, seed=0)) == batches  # the same seed, the same batches
+        True
     """
 
     def __init__(
@@ -67,30 +83,31 @@ class PoissonBatchSampler:
         first_step: int = 0,
         indices: Sequence[int] | None = None,
     ) -> None:
-        if num_samples <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
-        if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-        if steps <= 0:
-            raise ValueError(f"steps must be positive, got {steps}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must lie in [0, world_size), got rank={rank}, world_size={world_size}")
-        self.num_samples = num_samples
-        self.sample_rate = sample_rate
-        self.steps = steps
+        self.num_samples = check_int("num_samples", num_samples, minimum=1)
+        self.sample_rate = _check_rate("sample_rate", sample_rate)
+        self.steps = check_int("steps", steps, minimum=1)
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        if check_int("rank", rank) >= world_size:
+            raise PrivacyConfigurationError(
+                f"rank must lie in [0, world_size), got rank={rank}, world_size={world_size}"
+            )
+        self.rank = int(rank)
         self.randomness = seed if isinstance(seed, RunRandomness) else RunRandomness(seed, secure=seed is None)
-        self.rank, self.world_size = rank, world_size
-        self.next_step = first_step
+        self.next_step = check_int("first_step", first_step)
         self.epoch = 0
         self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
         if self.indices is not None and len(self.indices) != num_samples:
-            raise ValueError(f"indices has {len(self.indices)} entries, but num_samples is {num_samples}")
+            raise PrivacyConfigurationError(
+                f"indices has {len(self.indices)} entries, but num_samples is {num_samples}"
+            )
 
     @property
     def sampler(self) -> PoissonBatchSampler:
+        """This object: Lightning looks for ``batch_sampler.sampler`` to call ``set_epoch`` on."""
         return self
 
     def set_epoch(self, epoch: int) -> None:
+        """Record the epoch (Lightning calls this); the draws do not depend on it."""
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -122,18 +139,29 @@ def poisson_loader(
     pinning, the collate function and the rest are kept; empty batches keep the structure of a real one (Opacus'
     ``wrap_collate_with_empty``), so models see tensors with a zero batch dimension. ``seed=None`` samples from the
     operating system's secure generator; ``first_step``: see :class:`PoissonBatchSampler`.
+
+    Raises:
+        PrivacyConfigurationError: for an ``IterableDataset``, an empty dataset or one without ``len()``, a loader
+            with no ``batch_size``, or a sampler whose records cannot be told (see :func:`index_set_of`).
+
+    Example:
+        >>> data = TensorDataset(torch.randn(100, 3), torch.randint(0, 2, (100,)))
+        >>> loader = poisson_loader(DataLoader(data, batch_size=10), seed=0)
+        >>> len(loader), loader.batch_sampler.sample_rate
+        (10, 0.1)
     """
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
-        raise ValueError(
+        raise PrivacyConfigurationError(
             "the training dataset is an IterableDataset, which cannot be Poisson-sampled (each record must be "
             "reachable by index); use a map-style Dataset"
         )
     batch_size = expected_batch_size_of(loader) * world_size
-    if len(dataset) == 0:
-        raise ValueError("the training dataset is empty")
+    dataset_size = _size_of(dataset)
+    if dataset_size == 0:
+        raise PrivacyConfigurationError("the training dataset is empty")
     indices = index_set_of(loader, rank, world_size)  # refuses samplers it cannot honour, before touching data
-    num_samples = len(dataset) if indices is None else len(indices)
+    num_samples = dataset_size if indices is None else len(indices)
     sample_rate = min(1.0, batch_size / num_samples)
     steps = max(1, len(loader)) if world_size == 1 else math.ceil(num_samples / batch_size)
     if isinstance(dataset, TensorDataset) and loader.collate_fn in (None, default_collate):
@@ -164,9 +192,9 @@ def poisson_loader(
 
 def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list[int] | None:
     """The dataset indices the loader's sampler draws from, which the Poisson sample replaces: ``None`` for the whole
-    dataset, else a duplicate-free list. Raises ``ValueError`` for any other sampler (``WeightedRandomSampler``,
-    ``RandomSampler`` with replacement or ``num_samples``, a custom one): the Poisson copy would train on records
-    it leaves out, or drop its weighting.
+    dataset, else a duplicate-free list. Raises :class:`~lightning_oso.errors.PrivacyConfigurationError` (a
+    ``ValueError``) for any other sampler (``WeightedRandomSampler``, ``RandomSampler`` with replacement or
+    ``num_samples``, a custom one): the Poisson copy would train on records it leaves out, or drop its weighting.
 
     - ``SequentialSampler``, ``RandomSampler`` without replacement or ``num_samples``: the whole dataset.
     - ``SubsetRandomSampler``, or any sampler with a finite duplicate-free ``indices`` sequence: those indices.
@@ -176,13 +204,13 @@ def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list
     """
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and not hasattr(batch_sampler, "sampler"):
-        raise ValueError(
+        raise PrivacyConfigurationError(
             f"the training loader's batch_sampler ({type(batch_sampler).__name__}) has no .sampler, so the records it "
             "draws from cannot be told and Poisson sampling could train on records it leaves out: build the loader "
             "with DataLoader(dataset, batch_size=...), over torch.utils.data.Subset(dataset, indices) for a subset"
         )
-    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
-    dataset_size = len(loader.dataset)
+    sampler: object = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    dataset_size = _size_of(loader.dataset)
     wrappers = _distributed_sampler_wrapper_types()
     if isinstance(sampler, wrappers) or type(sampler) is DistributedSampler:
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
@@ -204,7 +232,7 @@ def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list
             if sampler.replacement
             else f"it draws num_samples={sampler.num_samples} records an epoch, not each of the {dataset_size} once",
         )
-    if type(sampler) in (SequentialSampler, RandomSampler):
+    if type(sampler) is SequentialSampler or type(sampler) is RandomSampler:
         size = len(sampler.data_source)
         if size == dataset_size:
             return None
@@ -219,22 +247,41 @@ def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list
     except TypeError as err:
         raise _refusal(sampler, f"its .indices are not all integers ({err})") from err
     if not indices:
-        raise ValueError(f"the training loader's {type(sampler).__name__} has no indices: there is nothing to train on")
+        raise PrivacyConfigurationError(
+            f"the training loader's {type(sampler).__name__} has no indices: there is nothing to train on"
+        )
     if len(set(indices)) != len(indices):
-        raise ValueError(
+        raise PrivacyConfigurationError(
             f"the training loader's {type(sampler).__name__} lists some indices more than once; Poisson sampling "
             "takes each record at most once per batch, with the same probability (the privacy analysis counts each "
             "record once): pass each index once"
         )
     if min(indices) < 0 or max(indices) >= dataset_size:
-        raise ValueError(
+        raise PrivacyConfigurationError(
             f"the training loader's {type(sampler).__name__} has indices outside the dataset's range(0, {dataset_size})"
         )
     return indices
 
 
-def _refusal(sampler: object, reason: str) -> ValueError:
-    return ValueError(
+def _size_of(dataset: Dataset) -> int:
+    """The number of records of a map-style dataset (Poisson sampling needs it: ``q = B / N``)."""
+    if not isinstance(dataset, Sized):
+        raise PrivacyConfigurationError(
+            f"the training dataset ({type(dataset).__name__}) has no len(): Poisson sampling takes each record with "
+            "probability batch_size / len(dataset); give the dataset a __len__"
+        )
+    return len(dataset)
+
+
+def _check_rate(name: str, value: Any) -> float:
+    """A probability in (0, 1], as float (``validation`` has open intervals only; a rate of 1 is full-batch)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise PrivacyConfigurationError(f"{name} must lie in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _refusal(sampler: object, reason: str) -> PrivacyConfigurationError:
+    return PrivacyConfigurationError(
         f"the training loader's sampler is a {type(sampler).__name__}, which DP training cannot honour: {reason}. "
         "Poisson sampling replaces the sampler and takes each record of the index set with the same probability; "
         "to train on a subset, wrap it in torch.utils.data.Subset(dataset, indices) and use a plain "
@@ -242,7 +289,7 @@ def _refusal(sampler: object, reason: str) -> ValueError:
     )
 
 
-def _distributed_sampler_wrapper_types() -> tuple[type, ...]:
+def _distributed_sampler_wrapper_types() -> tuple[type[DistributedSampler], ...]:
     """Lightning's wrapper of a user's sampler under DDP (``DistributedSamplerWrapper``), where installed."""
     try:
         from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
@@ -260,15 +307,15 @@ class _BatchedTensors(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> list:
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         index = torch.as_tensor(indices, dtype=torch.long)
         return [tensor[index] for tensor in self.dataset.tensors]
 
 
-def _as_batch(tensors: list) -> list:
+def _as_batch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors  # already batched by _BatchedTensors (default_collate would also return a list for a tuple)
 
 
@@ -278,7 +325,7 @@ def expected_batch_size_of(loader: DataLoader) -> int:
     if batch_size is None:
         batch_size = getattr(loader.batch_sampler, "batch_size", None)
     if not batch_size:
-        raise ValueError(
+        raise PrivacyConfigurationError(
             "cannot tell the expected batch size of the training loader (it has no batch_size and its batch_sampler "
             "none either); build it with DataLoader(dataset, batch_size=...)"
         )

@@ -17,14 +17,21 @@ import re
 import struct
 import zlib
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-_IDX_TYPES = {
-    0x08: np.uint8,
-    0x09: np.int8,
+from lightning_oso.validation import check_choice, check_int
+
+#: The IDX datasets :func:`load_mnist` reads.
+MnistName = Literal["mnist", "fashion-mnist"]
+
+# the element type codes of LeCun's IDX format (the third byte of the magic number); big-endian beyond one byte
+_IDX_TYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
     0x0C: np.dtype(">i4"),
     0x0D: np.dtype(">f4"),
@@ -46,7 +53,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number {data[:4].hex()})")
-    dtype, ndim = np.dtype(_IDX_TYPES[data[2]]), data[3]
+    dtype, ndim = _IDX_TYPES[data[2]], data[3]
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = data[4 + 4 * ndim :]
     expected = int(np.prod(shape)) * dtype.itemsize
@@ -74,11 +81,10 @@ def _find(data_dir: Path, name: str, stem: str) -> Path:
     )
 
 
-def load_mnist(data_dir: str | Path, name: str = "mnist") -> tuple[TensorDataset, TensorDataset]:
+def load_mnist(data_dir: str | Path, name: MnistName = "mnist") -> tuple[TensorDataset, TensorDataset]:
     """MNIST or Fashion-MNIST (``name="fashion-mnist"``) from local IDX files: (train, test) datasets of images
     ``[n, 1, 28, 28]`` scaled to [0, 1] and integer labels."""
-    if name not in ("mnist", "fashion-mnist"):
-        raise ValueError(f"name must be 'mnist' or 'fashion-mnist', got {name!r}")
+    check_choice("name", name, get_args(MnistName))
     data_dir = Path(data_dir)
     arrays = {key: read_idx(_find(data_dir, name, stem)) for key, stem in MNIST_FILES.items()}
     splits = []
@@ -96,7 +102,14 @@ _TOKEN = re.compile(r"[a-z0-9']+")
 
 def hashed_bag_of_words(texts: list[str], num_features: int = 2048) -> torch.Tensor:
     """Each text as an L2-normalised vector of ``log(1 + count)`` over ``num_features`` hash buckets (CRC32 of
-    the lower-cased token; a fixed, data-independent feature map)."""
+    the lower-cased token; a fixed, data-independent feature map).
+
+    Example:
+        >>> features = hashed_bag_of_words(["Stocks rise", "stocks RISE again"], num_features=16)
+        >>> features.shape, [round(float(n), 6) for n in features.norm(dim=1)]
+        (torch.Size([2, 16]), [1.0, 1.0])
+    """
+    check_int("num_features", num_features, minimum=1)
     features = torch.zeros(len(texts), num_features)
     for row, text in enumerate(texts):
         for token in _TOKEN.findall(text.lower()):

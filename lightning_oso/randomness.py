@@ -33,16 +33,19 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Union
+from typing import TypeAlias
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_oso.validation import check_bool, check_int
+
 #: The purposes a stream serves (the second entry of its spawn key).
 NOISE, SAMPLING = 0, 1
 
-Seed = Union[int, np.random.SeedSequence, None]
+#: A run's root seed: an int, a numpy ``SeedSequence`` (such as a search's spawned child), or ``None`` for OS entropy.
+Seed: TypeAlias = int | np.random.SeedSequence | None
 
 
 class SecureRandom:
@@ -51,10 +54,14 @@ class SecureRandom:
     Normal draws use the Box-Muller transform on 53-bit uniforms, computed in float64 on the target device and
     rounded to the requested dtype. Most of the cost is reading 8 bytes a number from the kernel's generator.
 
-    Example::
-
-        rng = SecureRandom()
-        noise = rng.normal((3, 4), device="cpu", dtype=torch.float32)
+    Example:
+        >>> rng = SecureRandom()
+        >>> noise = rng.normal((3, 4), device="cpu", dtype=torch.float32)
+        >>> noise.shape, noise.dtype
+        (torch.Size([3, 4]), torch.float32)
+        >>> u = rng.uniform((1000,))
+        >>> bool(((0 < u) & (u < 1)).all())
+        True
     """
 
     def _uniform_open(self, count: int) -> np.ndarray:
@@ -68,6 +75,7 @@ class SecureRandom:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float64,
     ) -> Tensor:
+        """Uniform draws in the open interval (0, 1), 53 random bits each."""
         count = math.prod(shape)
         return torch.from_numpy(self._uniform_open(count)).reshape(shape).to(device=device, dtype=dtype)
 
@@ -87,7 +95,8 @@ class SecureRandom:
         return z.reshape(shape).to(dtype=dtype)
 
 
-Generator = Union[torch.Generator, SecureRandom]
+#: Where a draw comes from: a keyed torch generator, or the operating system's CSPRNG.
+Generator: TypeAlias = torch.Generator | SecureRandom
 
 
 def root_seed_sequence(seed: Seed) -> np.random.SeedSequence:
@@ -97,9 +106,7 @@ def root_seed_sequence(seed: Seed) -> np.random.SeedSequence:
         return seed
     if seed is None:
         return np.random.SeedSequence()
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, a numpy SeedSequence or None, got {seed!r}")
-    return np.random.SeedSequence(int(seed))
+    return np.random.SeedSequence(check_int("seed", seed, minimum=0))
 
 
 def os_nonce() -> int:
@@ -118,12 +125,13 @@ class RunRandomness:
     """
 
     def __init__(self, seed: Seed = None, secure: bool = False) -> None:
-        self.secure = secure
+        self.secure = check_bool("secure", secure)
         self.root = None if secure else root_seed_sequence(seed)
         self.nonce = 0
         self._secure = SecureRandom() if secure else None
 
     def begin_session(self, nonce: int) -> None:
+        """Key every later draw on ``nonce`` (0 for a run's first session; see the module's docstring)."""
         self.nonce = int(nonce)
 
     def key(self, purpose: int, step: int, rank: int = 0) -> np.random.SeedSequence:
@@ -131,6 +139,8 @@ class RunRandomness:
         if step < 0 or rank < 0:
             raise ValueError(f"step and rank must be non-negative, got step={step}, rank={rank}")
         root = self.root
+        if root is None:
+            raise RuntimeError("a secure_rng run draws from the operating system's CSPRNG and has no keyed streams")
         return np.random.SeedSequence(
             root.entropy, spawn_key=(*root.spawn_key, self.nonce, purpose, rank, step), pool_size=root.pool_size
         )
@@ -181,12 +191,17 @@ def _layout_matches(state: bytes) -> bool:
     if len(state) < _MT_WORDS_OFFSET + 624 * 8:
         return False
     words = np.frombuffer(state, dtype=np.uint64, count=624, offset=_MT_WORDS_OFFSET)
-    if not np.array_equal(words, np.random.RandomState(5489).get_state()[1].astype(np.uint64)):
+    if not np.array_equal(words, _legacy_mt19937_words(5489).astype(np.uint64)):
         return False
-    other = _with_words(state, np.random.RandomState(7).get_state()[1].astype(np.uint32))
+    other = _with_words(state, _legacy_mt19937_words(7).astype(np.uint32))
     generator = torch.Generator()
     generator.set_state(other)
     return torch.equal(torch.rand(8, generator=generator), torch.rand(8, generator=torch.Generator().manual_seed(7)))
+
+
+def _legacy_mt19937_words(seed: int) -> np.ndarray:
+    """The 624 state words of MT19937 seeded by ``seed`` the classic way (as torch's ``manual_seed`` does)."""
+    return np.random.RandomState(seed).get_state(legacy=False)["state"]["key"]
 
 
 def _with_words(template: bytes, words: np.ndarray) -> torch.Tensor:

@@ -94,7 +94,7 @@ def test_shards_of_several_processes_together_are_one_poisson_sample():
     per_rank = [list(s) for s in samplers]
     for r, batches in enumerate(per_rank):
         assert all(i % world == r for b in batches for i in b)  # only its own shard
-    union = [sum(parts, []) for parts in zip(*per_rank)]
+    union = [[i for batch in parts for i in batch] for parts in zip(*per_rank)]
     sizes = np.array([len(b) for b in union])
     assert sizes.mean() == pytest.approx(n * q, abs=5 * np.sqrt(n * q * (1 - q) / steps))
     assert sizes.var() == pytest.approx(n * q * (1 - q), rel=0.15)

@@ -70,7 +70,7 @@ def test_ag_news_csv(tmp_path):
     for split in ("train", "test"):
         with open(tmp_path / f"{split}.csv", "w", newline="") as f:
             csv.writer(f).writerows(rows)
-    train, test = load_ag_news(tmp_path, num_features=256)
+    train, _ = load_ag_news(tmp_path, num_features=256)
     x, y = train.tensors
     assert x.shape == (3, 256) and y.tolist() == [2, 0, 3]
     torch.testing.assert_close(x.norm(dim=1), torch.ones(3))
