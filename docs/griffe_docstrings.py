@@ -26,16 +26,22 @@ class LightningOsoDocstrings(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: object) -> None:
         if pkg.name != "lightning_oso":
             return
-        shared = ast.literal_eval(str(pkg.get_member(SHARED_ARGS).value))
         for obj in _objects(pkg):
             if obj.docstring is not None:
-                text = _fill_shared(obj.docstring.value, shared)
+                text = _fill_shared(obj.docstring.value, pkg)
                 obj.docstring.value = SPHINX_ROLE.sub(_inline_code, text)
 
 
-def _fill_shared(doc: str, shared: str) -> str:
+def _fill_shared(doc: str, pkg: griffe.Module) -> str:
     if PLACEHOLDER not in doc:
         return doc
+    try:
+        shared = ast.literal_eval(str(pkg.get_member(SHARED_ARGS).value))
+    except (KeyError, ValueError, SyntaxError) as err:
+        raise RuntimeError(
+            f"a docstring holds {PLACEHOLDER} but lightning_oso.{SHARED_ARGS} is no string constant: "
+            "point SHARED_ARGS in docs/griffe_docstrings.py at the shared arguments' text"
+        ) from err
     first, *rest = shared.splitlines()
     body = textwrap.dedent("\n".join(rest))  # in the source, the text is indented for a class docstring's "Args:"
     lines = doc.splitlines()
