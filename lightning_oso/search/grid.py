@@ -1,5 +1,5 @@
 """Honest hyperparameter search: the privacy budget covers every candidate run, not just the winner
-((docs/algorithms.md, "Honest hyperparameter search"); OSO paper "Experiments"; Mohapatra et al. 2022, Section 3).
+(docs/algorithms.md, "Honest hyperparameter search"; OSO paper "Experiments"; Mohapatra et al. 2022, Section 3).
 
 Two accountings:
 
@@ -171,7 +171,7 @@ class SearchResult:
 
 class HonestGridSearch(PrivateSearch):
     r"""Hyperparameter search whose privacy budget covers every candidate run
-    ((docs/algorithms.md, "Honest hyperparameter search")).
+    (docs/algorithms.md, "Honest hyperparameter search").
 
     Every candidate is trained once per seed of ``seeds`` by ``train_fn(hparams, dp)`` (the contract of every search
     here: :mod:`lightning_oso.search.harness`). ``hparams`` is the candidate plus ``"seed"``, the repeat's seed for

@@ -1,5 +1,5 @@
 """The linear scaling rule for private hyperparameter search (Panda et al., "A New Linear Scaling Rule for Private
-Adaptive Hyperparameter Optimization", Algorithms 1-3; (docs/algorithms.md, "Linear scaling rule")).
+Adaptive Hyperparameter Optimization", Algorithms 1-3; docs/algorithms.md, "Linear scaling rule").
 
 DP-SGD's step size and length enter through their product ``r = eta * T``. Two cheap random-search sweeps, each of
 ``n`` runs at a small per-run epsilon (``eps_1``, ``eps_2``), give the best ``r_1`` and ``r_2``; the line
@@ -167,7 +167,7 @@ class LinearScalingResult:
 class LinearScalingSearch(PrivateSearch):
     r"""The linear scaling rule (Algorithms 2-3): two random-search sweeps at small epsilons, a line through their
     best ``r = eta * T``, and one final run, with the whole procedure's privacy composed in one ledger
-    ((docs/algorithms.md, "Linear scaling rule")).
+    (docs/algorithms.md, "Linear scaling rule").
 
     Every run is ``train_fn(hparams, dp)`` (the contract of every search here: :mod:`lightning_oso.search.harness`).
     ``hparams`` holds ``eta`` (the learning rate) and ``steps`` (the Trainer's ``max_steps``); ``dp`` holds the DP
