@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader
+from torchmetrics.functional.classification import multiclass_accuracy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from digits_oso import DigitsCNN, DigitsDataModule
@@ -52,7 +53,7 @@ def audit_once(epsilon: float, args: argparse.Namespace) -> dict:
     result = audit.result(module, dp.epsilon, args.delta)
     with torch.no_grad():
         x, y = data.test_set.tensors
-        accuracy = float((network(x).argmax(dim=1) == y).float().mean())
+        accuracy = float(multiclass_accuracy(network(x), y, num_classes=10, average="micro"))
     return {
         "target_epsilon": epsilon,
         "claimed_epsilon": result.claimed_epsilon,

@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -45,6 +46,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanSquaredError, Metric
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_oso import OSODP, DPAdamWOSM, FixedQuantileDP, FixedThresholdDP, PrivacyConfigurationError
 from lightning_oso.search import HonestGridSearch, grid, log_grid
@@ -63,7 +66,7 @@ class Task:
     metric: str
     make_model: Callable[[], nn.Module]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # summed over the batch
+    make_metric: Callable[[], Metric]  # a fresh score metric (torchmetrics), accumulated over a whole split
     autoencoder: bool = False
 
 
@@ -117,12 +120,15 @@ def digits_autoencoder() -> nn.Module:
     )
 
 
-def _accuracy_sum(logits, y):
-    return (logits.argmax(dim=1) == y).float().sum()
+def _accuracy(classes: int) -> Callable[[], Metric]:
+    """The fraction of correct predictions over the split ("micro": torchmetrics' multiclass default is the mean of
+    per-class accuracies)."""
+    return partial(MulticlassAccuracy, num_classes=classes, average="micro")
 
 
-def _mse_sum(recon, x):
-    return F.mse_loss(recon, x, reduction="none").flatten(1).mean(1).sum()
+# the mean squared error over every pixel of the split: every image has the same size, so it is also the mean over
+# images of each image's MSE
+_mse = MeanSquaredError
 
 
 def mnist_cnn() -> nn.Module:
@@ -169,11 +175,11 @@ def bag_of_words_mlp() -> nn.Module:
 
 
 TASKS = {
-    "digits": Task("digits", "max", "accuracy", digits_cnn, F.cross_entropy, _accuracy_sum),
-    "digits-ae": Task("digits-ae", "min", "MSE", digits_autoencoder, F.mse_loss, _mse_sum, autoencoder=True),
-    "mnist": Task("mnist", "max", "accuracy", mnist_cnn, F.cross_entropy, _accuracy_sum),
-    "fashion-mnist": Task("fashion-mnist", "min", "MSE", fashion_autoencoder, F.mse_loss, _mse_sum, autoencoder=True),
-    "ag-news": Task("ag-news", "max", "accuracy", bag_of_words_mlp, F.cross_entropy, _accuracy_sum),
+    "digits": Task("digits", "max", "accuracy", digits_cnn, F.cross_entropy, _accuracy(10)),
+    "digits-ae": Task("digits-ae", "min", "MSE", digits_autoencoder, F.mse_loss, _mse, autoencoder=True),
+    "mnist": Task("mnist", "max", "accuracy", mnist_cnn, F.cross_entropy, _accuracy(10)),
+    "fashion-mnist": Task("fashion-mnist", "min", "MSE", fashion_autoencoder, F.mse_loss, _mse, autoencoder=True),
+    "ag-news": Task("ag-news", "max", "accuracy", bag_of_words_mlp, F.cross_entropy, _accuracy(4)),
 }
 
 
@@ -200,6 +206,7 @@ class Net(L.LightningModule):
         super().__init__()
         self.task, self.lr, self.optimizer_name = task, lr, optimizer
         self.net = task.make_model()
+        self.val_score = task.make_metric()
 
     def forward(self, x):
         return self.net(x)
@@ -214,7 +221,8 @@ class Net(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, target = self._target(batch)
-        self.log("val/score", self.task.score(self(x), target) / x.shape[0], batch_size=x.shape[0])
+        self.val_score.update(self(x), target)
+        self.log("val/score", self.val_score)  # over the whole validation split, computed and reset every epoch
 
     def configure_optimizers(self):
         if self.optimizer_name == "wosm":
@@ -240,12 +248,12 @@ class BestCheckpoint(L.Callback):
 
 def evaluate(model: Net, dataset: TensorDataset) -> float:
     model.eval()
-    total = 0.0
+    score = model.task.make_metric()
     with torch.no_grad():
         for batch in DataLoader(dataset, batch_size=512):
             x, target = model._target(batch)
-            total += float(model.task.score(model(x), target))
-    return total / len(dataset)
+            score.update(model(x), target)
+    return float(score.compute())
 
 
 def train_once(
@@ -360,9 +368,10 @@ def run_unit(unit: Unit, progress: bool = False) -> dict:
         out.update(winner=candidates[winner], runs=runs, noise_multiplier=0.0, epsilon_spent=None)
     else:
 
-        def train_fn(candidate, seed, dp):
-            callback = make_callback(unit.method, candidate, dp)
-            return train_once(task, data, unit.batch_size, unit.epochs, lr_of(candidate), seed, callback, optimizer)
+        def train_fn(hparams, dp):
+            callback = make_callback(unit.method, hparams, dp)
+            lr = lr_of(hparams)
+            return train_once(task, data, unit.batch_size, unit.epochs, lr, hparams["seed"], callback, optimizer)
 
         try:
             search = HonestGridSearch(
@@ -446,7 +455,7 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
     ]
     for eps in epsilons:
 
-        def get(m, key):
+        def get(m, key, eps=eps):  # bound now: called within this iteration only
             r = by.get((m, eps))
             return _hp(r["winner"][key]) if r and "winner" in r else "-"
 
@@ -459,7 +468,7 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
             f"{get('FixedThreshold', 'clip')} | {get('FixedQuantile', 'lr')} | {get('FixedQuantile', 'gamma')} | "
             f"{get('DPAdamWOSM', 'clip')} | {nus} |"
         )
-    counts = ", ".join(f"{m}: {len(candidates_for(m, args.k, args.gammas))}" for m in METHODS + ("NoDP",))
+    counts = ", ".join(f"{m}: {len(candidates_for(m, args.k, args.gammas))}" for m in (*METHODS, "NoDP"))
     refused = [f"{m} at ε={e:g}: {r['refused']}" for (m, e), r in by.items() if "refused" in r]
     lines += [
         "",
@@ -538,7 +547,7 @@ def parse_args(argv):
     parser.add_argument("--epochs", type=int, help="epochs per run (default 10, as in the paper)")
     parser.add_argument("--batch-size", type=int, default=64, help="expected batch size B")
     parser.add_argument("--gammas", type=float, nargs="+", help="FixedQuantile's target quantiles (default 0.1 .. 0.9)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS) + ["NoDP"], choices=list(METHODS) + ["NoDP"])
+    parser.add_argument("--methods", nargs="+", default=[*METHODS, "NoDP"], choices=[*METHODS, "NoDP"])
     parser.add_argument(
         "--dp-seed",
         type=int,

@@ -25,6 +25,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_oso import OSODP
 
@@ -75,6 +76,10 @@ class DigitsCNN(L.LightningModule):
             nn.ReLU(),
             nn.Linear(32, 10),
         )
+        # the fraction of correct predictions over the whole split ("micro": torchmetrics' multiclass default is
+        # the mean of per-class accuracies); one metric per stage, so their states never mix
+        self.val_acc = MulticlassAccuracy(num_classes=10, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=10, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -87,8 +92,10 @@ class DigitsCNN(L.LightningModule):
     def _evaluate(self, batch, stage: str) -> None:
         x, y = batch
         logits = self(x)
+        accuracy = self.val_acc if stage == "val" else self.test_acc
+        accuracy.update(logits, y)
         self.log(f"{stage}/loss", F.cross_entropy(logits, y))
-        self.log(f"{stage}/acc", (logits.argmax(dim=1) == y).float().mean(), prog_bar=stage == "val")
+        self.log(f"{stage}/acc", accuracy, prog_bar=stage == "val")  # computed and reset by Lightning per epoch
 
     def validation_step(self, batch, batch_idx):
         self._evaluate(batch, "val")

@@ -151,12 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
         for epsilon in args.epsilons:
             for lam in args.lambdas:
 
-                def median(sigma, accountant="zcdp", key="risk"):
+                def median(sigma, accountant="zcdp", key="risk", cell=(dataset, epsilon, lam)):
+                    # the cell is bound now: median is called within this iteration only
                     return statistics.median(
                         r[key]
                         for r in results
                         if (r["dataset"], r["epsilon"], r["lambda"], r["sigma"], r["accountant"])
-                        == (dataset, epsilon, lam, sigma, accountant)
+                        == (*cell, sigma, accountant)
                     )
 
                 constant = {sigma: median(sigma) for sigma in CONSTANTS}

@@ -49,10 +49,9 @@ from lightning_oso.clipping import (
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.ddp import DPDDPStrategy
 from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused
-from lightning_oso.linear_scaling import LinearScalingSearch
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.schedules import PURSchedule
-from lightning_oso.search import HonestGridSearch, SearchResult
+from lightning_oso.search import HonestGridSearch, LinearScalingSearch, SearchResult
 from lightning_oso.strategy import DPStrategy
 
 __all__ = [

@@ -26,7 +26,8 @@ def _reproducible_default_streams(request, monkeypatch):
 
     import numpy as np
 
-    from lightning_oso import callbacks, linear_scaling, randomness, search
+    from lightning_oso import callbacks, randomness
+    from lightning_oso.search import harness
 
     original = randomness.root_seed_sequence
     test_key = zlib.crc32(request.node.nodeid.encode())
@@ -34,5 +35,5 @@ def _reproducible_default_streams(request, monkeypatch):
     def fixed_for_this_test(seed):
         return original(np.random.SeedSequence(1234, spawn_key=(test_key,)) if seed is None else seed)
 
-    for module in (randomness, callbacks, search, linear_scaling):
+    for module in (randomness, callbacks, harness):
         monkeypatch.setattr(module, "root_seed_sequence", fixed_for_this_test)

@@ -1,5 +1,6 @@
-"""The linear scaling rule (spec section 7): decomposition, the fit, the rule recovering a known line, the whole
-procedure's privacy as one composition (never above the target; exact GDP for full batches), and real runs."""
+"""The linear scaling rule (docs/algorithms.md, "Linear scaling rule"): decomposition, the fit, the rule recovering
+a known line, the whole procedure's privacy as one composition (never above the target; exact GDP for full batches),
+and real runs."""
 
 import math
 
@@ -7,9 +8,10 @@ import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_data
 from torch.utils.data import DataLoader
+from torchmetrics.functional import accuracy
 
 from lightning_oso import FixedThresholdDP, compute_epsilon, schedules
-from lightning_oso.linear_scaling import LinearScalingSearch, decompose, fit_line
+from lightning_oso.search import LinearScalingSearch, decompose, fit_line
 from lightning_oso.validation import PrivacyConfigurationError
 
 
@@ -92,7 +94,7 @@ def test_real_runs_through_the_plugin(tmp_path):
         trainer.fit(model, DataLoader(data, batch_size=120))
         x, y = data.tensors
         with torch.no_grad():
-            return float((model(x).argmax(dim=1) == y).float().mean())
+            return float(accuracy(model(x), y, task="multiclass", num_classes=2, average="micro"))
 
     search = LinearScalingSearch(
         train,

@@ -157,7 +157,7 @@ def test_search_runs_get_their_own_streams(accounting):
     def search(seed):
         noises = []
 
-        def train(candidate, seed, dp):
+        def train(hparams, dp):
             noises.append(_noise_of(FixedThresholdDP(clip=1.0, **dp)))
             return 0.0
 

@@ -1,12 +1,15 @@
-"""Honest hyperparameter search (spec section 5): the grid's budget against a direct composition, runs through
-Lightning, random stopping's guarantee and its blow-up, noisy selection."""
+"""Honest hyperparameter search (docs/algorithms.md, "Honest hyperparameter search"): the grid's budget against a
+direct composition, runs through Lightning, random stopping's guarantee and its blow-up, noisy selection, and the
+train_fn contract."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_loader
 from opacus.accountants import PRVAccountant, RDPAccountant
+from torchmetrics.functional import accuracy
 
 from lightning_oso import OSODP, FixedThresholdDP, PrivacyConfigurationError, compute_epsilon
 from lightning_oso.search import (
@@ -21,12 +24,13 @@ from lightning_oso.search import (
 STEPS = 10  # per run: 200 records, batch 20 -> q = 0.1, one epoch
 
 
-def _train(candidate, seed, dp):
-    model = ToyModel(lr=candidate["lr"])
-    callback = FixedThresholdDP(clip=candidate["clip"], **dp)
+def _train(hparams, dp):
+    model = ToyModel(lr=hparams["lr"])
+    callback = FixedThresholdDP(clip=hparams["clip"], **dp)
     make_trainer([callback], max_steps=STEPS).fit(model, toy_loader())
     x, y = toy_loader().dataset.tensors
-    return (model(x).argmax(1) == y).float().mean().item()
+    with torch.no_grad():
+        return accuracy(model(x), y, task="multiclass", num_classes=2, average="micro").item()
 
 
 def test_log_grid_and_grid():
@@ -95,7 +99,7 @@ def test_charging_seeds_covers_every_run():
 
 
 def test_a_run_that_ignores_the_budget_is_caught():
-    def careless(candidate, seed, dp):
+    def careless(hparams, dp):
         make_trainer(
             [OSODP(target_epsilon=dp["target_epsilon"], target_delta=dp["target_delta"])], max_steps=STEPS
         ).fit(ToyModel(), toy_loader())
@@ -109,7 +113,7 @@ def test_a_run_that_ignores_the_budget_is_caught():
 def test_a_run_longer_than_planned_is_caught_and_never_overspends():
     spent = []
 
-    def greedy(candidate, seed, dp):
+    def greedy(hparams, dp):
         callback = OSODP(**dp)
         make_trainer([callback], max_steps=3 * STEPS).fit(ToyModel(), toy_loader())
         spent.append(callback.epsilon)
@@ -119,6 +123,33 @@ def test_a_run_longer_than_planned_is_caught_and_never_overspends():
     with pytest.raises(PrivacyConfigurationError, match="more than steps_per_run"):
         search.run()
     assert spent[0] <= 2.0  # the callback stopped it at the grid's budget (20 steps) all the same
+
+
+def test_train_fn_gets_the_candidate_with_the_repeats_seed_and_the_callbacks_arguments():
+    """One signature for every search: ``train_fn(hparams, dp)``; ``hparams`` is the candidate plus the repeat's seed,
+    ``dp`` the DP callback's arguments with the run's own seed, a child spawned from the search's seed."""
+    calls = []
+
+    def train(hparams, dp):
+        calls.append((hparams, dp))
+        dp["accountant"].step(dp["noise_multiplier"], 0.1, STEPS)
+        return {"score": hparams["lr"], "test": 1.0}
+
+    search = HonestGridSearch(grid(lr=[0.1, 0.2]), train, 2.0, 1e-4, 0.1, STEPS, seeds=(3, 4), seed=7, progress=False)
+    result = search.run()
+    assert [hparams for hparams, _ in calls] == [
+        {"lr": 0.1, "seed": 3},
+        {"lr": 0.1, "seed": 4},
+        {"lr": 0.2, "seed": 3},
+        {"lr": 0.2, "seed": 4},
+    ]
+    for _, dp in calls:
+        assert set(dp) == {"target_epsilon", "target_delta", "noise_multiplier", "accountant", "seed"}
+        assert isinstance(dp["seed"], np.random.SeedSequence) and dp["seed"].entropy == 7
+    assert len({dp["seed"].spawn_key for _, dp in calls}) == 4  # no two runs share their streams
+    assert [(r.candidate, r.seed, r.metrics) for r in result.runs][:1] == [({"lr": 0.1}, 3, {"test": 1.0})]
+    with pytest.raises(PrivacyConfigurationError, match="'seed' key"):
+        HonestGridSearch([{"lr": 0.1, "seed": 1}], train, 2.0, 1e-4, 0.1, STEPS)
 
 
 def test_random_stopping_theorem_and_its_inverse():

@@ -1,5 +1,5 @@
-"""Honest hyperparameter search: the privacy budget covers every candidate run, not just the winner (spec section 5;
-OSO paper "Experiments"; Mohapatra et al. 2022, Section 3).
+"""Honest hyperparameter search: the privacy budget covers every candidate run, not just the winner
+(docs/algorithms.md, "Honest hyperparameter search"; OSO paper "Experiments"; Mohapatra et al. 2022, Section 3).
 
 Two accountings:
 
@@ -12,8 +12,9 @@ Two accountings:
   ``delta_f = sqrt(2 delta_1) Upsilon + delta_2``; the report shows the blow-up of that guarantee.
 
 Pure functions (:func:`random_stopping_guarantee`, :func:`random_stopping_run_budget`, :func:`noisy_argmax`) hold
-the maths; :class:`HonestGridSearch` runs the candidates (each through the user's Lightning ``train_fn``) and
-keeps the ledger.
+the maths; :class:`HonestGridSearch` runs the candidates on the search harness
+(:class:`~lightning_oso.search.harness.PrivateSearch`: each run through the user's Lightning ``train_fn``) and keeps
+the ledgers.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
-from lightning_oso.randomness import keyed_generator, root_seed_sequence
-from lightning_oso.validation import PrivacyConfigurationError, check_budget_arguments, check_number
+from lightning_oso.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.search.harness import PrivateSearch, TrainFn, format_hparams
+from lightning_oso.validation import check_choice, check_int, check_number
 
 ACCOUNTINGS = ("composition", "random_stopping")
 SELECTIONS = ("best", "noisy")
@@ -148,10 +150,10 @@ class SearchResult:
             score = (
                 "not drawn" if math.isnan(mean) and self.accounting == "random_stopping" else f"{mean:.4f} +- {std:.4f}"
             )
-            lines.append(f"| {i} | {_fmt(cand)} | {score}{mark} |")
+            lines.append(f"| {i} | {format_hparams(cand)} | {score}{mark} |")
         lines += [
             "",
-            f"Winner: {_fmt(self.winner)} ({self.selection} selection"
+            f"Winner: {format_hparams(self.winner)} ({self.selection} selection"
             + (f", epsilon_select={self.selection_epsilon}" if self.selection == "noisy" else "")
             + ")",
             f"Privacy spent by the whole search: epsilon={self.epsilon_spent:.4f} (target {self.target_epsilon}) at "
@@ -167,23 +169,24 @@ class SearchResult:
         return json.loads(json.dumps(asdict(self), default=float))
 
 
-class HonestGridSearch:
-    r"""Hyperparameter search whose privacy budget covers every candidate run (spec section 5).
+class HonestGridSearch(PrivateSearch):
+    r"""Hyperparameter search whose privacy budget covers every candidate run
+    (docs/algorithms.md, "Honest hyperparameter search").
 
-    The user supplies ``train_fn(candidate, seed, dp) -> score``: it builds the model and a Trainer, passes
-    ``**dp`` to its DP callback (``OSODP``, ``FixedThresholdDP``, ``FixedQuantileDP``), trains at most
-    ``steps_per_run`` steps and returns the validation score (or a dict with key ``"score"`` and any other metrics,
-    kept per run in ``SearchResult.runs``). ``dp`` holds ``target_epsilon``, ``target_delta``,
-    ``noise_multiplier``, ``accountant`` (the search's ledger: with it the callback stops any run that would
-    overspend the search's budget) and ``seed``: the run's own random streams, a child of the search's ``seed``
-    spawned for this run alone (``numpy.random.SeedSequence.spawn``), so that no two runs share noise or batches.
-    Do not pass another ``seed`` to the callback (Python refuses the duplicate keyword): the ``seed`` argument of
-    ``train_fn`` is the repeat's seed, for the model's initialisation (``seed_everything``). The search checks after every run that the ledger advanced (so the dp arguments
-    were used) by at most ``steps_per_run`` steps.
+    Every candidate is trained once per seed of ``seeds`` by ``train_fn(hparams, dp)`` (the contract of every search
+    here: :mod:`lightning_oso.search.harness`). ``hparams`` is the candidate plus ``"seed"``, the repeat's seed for
+    the model's initialisation (``L.seed_everything(hparams["seed"])``); ``dp`` holds the DP callback's arguments
+    (pass them as ``OSODP(**dp)``, ``FixedThresholdDP(clip=..., **dp)``, ``FixedQuantileDP(..., **dp)``): the budget,
+    the search's noise multiplier, its ledger (with it the callback stops any run that would overspend the search's
+    budget) and the run's own seed. The run trains at most ``steps_per_run`` steps and returns the validation score
+    (or a mapping with key ``"score"`` and any other metrics, kept per run in ``SearchResult.runs``). The search
+    checks after every run that the ledger advanced (so the dp arguments were used) by at most ``steps_per_run``
+    steps.
 
     Args:
-        candidates: the candidate hyperparameters (dicts; see :func:`grid` and :func:`log_grid`).
-        train_fn: ``(candidate, seed, dp) -> float | dict``; one Lightning run.
+        candidates: the candidate hyperparameters (dicts; see :func:`grid` and :func:`log_grid`). ``"seed"`` is not
+            a candidate's key: the search puts the repeat's seed there.
+        train_fn: ``(hparams, dp) -> float | Mapping``; one Lightning run.
         target_epsilon: the budget of the **whole search**.
         target_delta: its delta.
         sample_rate: ``q`` of every run (``batch_size / N``), or a function of the candidate.
@@ -202,32 +205,43 @@ class HonestGridSearch:
         selection_epsilon: epsilon of noisy selection.
         score_sensitivity: how much one validation record can move a (seed-averaged) score, e.g.
             ``1 / len(validation set)`` for accuracy; needed for noisy selection.
-        seed: the root of the search's randomness (an int, or ``None`` for 128 bits from the operating system):
-            every run's streams, the selection noise and random stopping's draws are derived from it.
+        seed: the root of the search's randomness (an int, a ``numpy.random.SeedSequence``, or ``None`` for 128 bits
+            from the operating system): every run's streams, the selection noise and random stopping's draws are
+            derived from it.
         progress: show a progress bar over the runs (with the time left).
 
     Raises:
         PrivacyConfigurationError: for an invalid argument, or when the budget cannot cover the search.
 
-    Example::
+    Example:
+        With Lightning, ``train_fn`` fits one model::
 
-        def train(candidate, seed, dp):
-            model = Net(lr=candidate["lr"])
-            L.seed_everything(seed)  # the model's initialisation; dp carries the run's own DP streams
-            trainer = L.Trainer(max_steps=200, callbacks=[FixedThresholdDP(clip=candidate["clip"], **dp)])
-            trainer.fit(model, datamodule)
-            return trainer.callback_metrics["val/acc"].item()
+            def train(hparams, dp):
+                L.seed_everything(hparams["seed"])  # the model's initialisation; dp carries the run's DP streams
+                model = Net(lr=hparams["lr"])
+                trainer = L.Trainer(max_steps=200, callbacks=[FixedThresholdDP(clip=hparams["clip"], **dp)])
+                trainer.fit(model, datamodule)
+                return trainer.callback_metrics["val/acc"].item()
 
-        search = HonestGridSearch(grid(lr=log_grid(1e-2, 10, 5), clip=log_grid(1e-2, 1e2, 5)), train,
-                                  target_epsilon=3.0, target_delta=1e-5, sample_rate=64 / 1257, steps_per_run=200)
-        result = search.run()
-        print(result.report())
+        Here a stand-in charges the steps such a run would, and scores the learning rate:
+
+        >>> from lightning_oso.search import HonestGridSearch, grid
+        >>> def train(hparams, dp):
+        ...     dp["accountant"].step(dp["noise_multiplier"], 0.1, 10)  # what FixedThresholdDP(**dp) charges
+        ...     return -abs(hparams["lr"] - 0.5)
+        >>> search = HonestGridSearch(grid(lr=[0.1, 0.5, 2.0], clip=[1.0]), train, target_epsilon=1.0,
+        ...                           target_delta=1e-5, sample_rate=0.1, steps_per_run=10, seed=0, progress=False)
+        >>> result = search.run()
+        >>> result.winner
+        {'lr': 0.5, 'clip': 1.0}
+        >>> result.epsilon_spent <= 1.0
+        True
     """
 
     def __init__(
         self,
         candidates: Sequence[Mapping[str, Any]],
-        train_fn: Callable[[dict, int, dict], float],
+        train_fn: TrainFn,
         target_epsilon: float,
         target_delta: float,
         sample_rate: float | Callable[[dict], float],
@@ -242,26 +256,22 @@ class HonestGridSearch:
         selection: str = "best",
         selection_epsilon: float | None = None,
         score_sensitivity: float | None = None,
-        seed: int | None = None,
+        seed: int | np.random.SeedSequence | None = None,
         progress: bool = True,
     ) -> None:
-        check_budget_arguments(target_epsilon, target_delta, None)
+        super().__init__(train_fn, target_epsilon, target_delta, mode, accountant, seed)
         if not candidates:
             raise PrivacyConfigurationError("candidates is empty: give at least one candidate")
-        if not callable(train_fn):
-            raise PrivacyConfigurationError(f"train_fn must be callable, got {train_fn!r}")
-        if isinstance(steps_per_run, bool) or not isinstance(steps_per_run, int) or steps_per_run < 1:
-            raise PrivacyConfigurationError(f"steps_per_run must be a positive int, got {steps_per_run!r}")
+        if any("seed" in candidate for candidate in candidates):
+            raise PrivacyConfigurationError(
+                "candidates must not have a 'seed' key: the search passes the repeat's seed as hparams['seed']; "
+                "list the seeds in seeds="
+            )
+        self.steps_per_run = check_int("steps_per_run", steps_per_run, minimum=1)
         if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
             raise PrivacyConfigurationError(f"seeds must be a non-empty sequence of ints, got {seeds!r}")
-        if mode not in ("max", "min"):
-            raise PrivacyConfigurationError(f"mode must be 'max' or 'min', got {mode!r}")
-        if accounting not in ACCOUNTINGS:
-            raise PrivacyConfigurationError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
-        if accountant not in ACCOUNTANTS:
-            raise PrivacyConfigurationError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-        if selection not in SELECTIONS:
-            raise PrivacyConfigurationError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+        self.accounting = check_choice("accounting", accounting, ACCOUNTINGS)
+        self.selection = check_choice("selection", selection, SELECTIONS)
         if selection == "noisy":
             if selection_epsilon is None or score_sensitivity is None:
                 raise PrivacyConfigurationError(
@@ -276,21 +286,10 @@ class HonestGridSearch:
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
                 raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {rate!r}")
         self.sample_rates = [float(r) for r in rates]
-        self.train_fn = train_fn
-        self.target_epsilon = float(target_epsilon)
-        self.target_delta = float(target_delta)
-        self.steps_per_run = steps_per_run
         self.seeds = list(seeds)
         self.charge_seeds = charge_seeds
-        self.mode = mode
-        self.accounting = accounting
-        self.accountant = accountant
-        self.selection = selection
         self.selection_epsilon = selection_epsilon
         self.score_sensitivity = score_sensitivity
-        # one root: child 0 for the search's own draws (selection noise, random stopping), one child per run after it
-        self._root = root_seed_sequence(seed)
-        self.generator = keyed_generator(self._root.spawn(1)[0])
         self.progress = progress
         if accounting == "random_stopping":
             self.stop_probability = check_number(
@@ -313,7 +312,8 @@ class HonestGridSearch:
         repeats = len(self.seeds) if self.charge_seeds else 1
         try:
             if self.accounting == "composition":
-                # K runs of T steps: one composition of K*T subsampled Gaussian steps (spec section 5)
+                # K runs of T steps: one composition of K*T subsampled Gaussian steps
+                # (docs/algorithms.md, "Honest hyperparameter search")
                 return calibrate_noise_multiplier(
                     self.target_epsilon,
                     self.target_delta,
@@ -332,22 +332,12 @@ class HonestGridSearch:
             raise PrivacyConfigurationError(f"the budget cannot cover this search: {err}") from err
 
     def _new_ledger(self) -> PrivacyAccountant:
-        if self.accounting == "composition":
-            return PrivacyAccountant(self.target_delta, self.accountant)
-        return PrivacyAccountant(self.run_delta, self.accountant)
+        return self.new_ledger(self.target_delta if self.accounting == "composition" else self.run_delta)
 
-    def _dp_arguments(self, ledger: PrivacyAccountant) -> dict:
+    def _dp_arguments(self, ledger: PrivacyAccountant) -> dict[str, Any]:
         if self.accounting == "composition":
-            budget = (self.target_epsilon, self.target_delta)
-        else:
-            budget = (self.run_epsilon, self.run_delta)
-        return {
-            "target_epsilon": budget[0],
-            "target_delta": budget[1],
-            "noise_multiplier": self.noise_multiplier,
-            "accountant": ledger,
-            "seed": self._root.spawn(1)[0],
-        }
+            return self.dp_arguments(self.target_epsilon, self.target_delta, self.noise_multiplier, ledger)
+        return self.dp_arguments(self.run_epsilon, self.run_delta, self.noise_multiplier, ledger)
 
     # ------------------------------------------------------------------ running
     def run(self) -> SearchResult:
@@ -373,25 +363,21 @@ class HonestGridSearch:
                     ledger = per_seed[seed]
                 else:
                     ledger = draw_ledger or self._new_ledger()
-                before = ledger.steps
                 candidate = dict(self.candidates[index])
-                returned = self.train_fn(candidate, seed, self._dp_arguments(ledger))
-                metrics = dict(returned) if isinstance(returned, Mapping) else {"score": returned}
-                score = float(metrics.pop("score"))
-                taken = ledger.steps - before
-                self._check_run(candidate, taken)
-                records.append(RunRecord(candidate, seed, score, taken, metrics))
-                scores.setdefault(index, []).append(score)
+                outcome = self.train({**candidate, "seed": seed}, self._dp_arguments(ledger))
+                self._check_run(candidate, outcome.steps)
+                records.append(RunRecord(candidate, seed, outcome.score, outcome.steps, outcome.metrics))
+                scores.setdefault(index, []).append(outcome.score)
                 used.append(ledger)
                 bar.update(1)
-                bar.set_postfix_str(f"{_fmt(candidate)} seed={seed}: {score:.4g}")
+                bar.set_postfix_str(f"{format_hparams(candidate)} seed={seed}: {outcome.score:.4g}")
         bar.close()
         return self._result(order, scores, records, used)
 
     def _random_stopping_draws(self) -> list[int]:
         """Candidates drawn uniformly with replacement until a ``gamma``-coin says stop, at most ``Upsilon``."""
         cap = math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))
-        draws = []
+        draws: list[int] = []
         while len(draws) < cap:
             draws.append(int(torch.randint(len(self.candidates), (1,), generator=self.generator)))
             if torch.rand(1, generator=self.generator, dtype=torch.float64).item() < self.stop_probability:
@@ -401,16 +387,23 @@ class HonestGridSearch:
     def _check_run(self, candidate: dict, taken: int) -> None:
         if taken == 0:
             raise PrivacyConfigurationError(
-                f"the run of {_fmt(candidate)} added no step to the search's accountant: train_fn must pass its dp "
-                "argument to the DP callback, e.g. OSODP(**dp)"
+                f"the run of {format_hparams(candidate)} added no step to the search's accountant: train_fn must pass "
+                "its dp argument to the DP callback, e.g. OSODP(**dp)"
             )
         if taken > self.steps_per_run:
             raise PrivacyConfigurationError(
-                f"the run of {_fmt(candidate)} took {taken} steps, more than steps_per_run={self.steps_per_run}: set "
-                "the Trainer's max_steps to steps_per_run (it would spend the budget of the runs after it)"
+                f"the run of {format_hparams(candidate)} took {taken} steps, more than steps_per_run="
+                f"{self.steps_per_run}: set the Trainer's max_steps to steps_per_run (it would spend the budget of the "
+                "runs after it)"
             )
 
-    def _result(self, order, scores, records, ledgers: list[PrivacyAccountant]) -> SearchResult:
+    def _result(
+        self,
+        order: list[int],
+        scores: dict[int, list[float]],
+        records: list[RunRecord],
+        ledgers: list[PrivacyAccountant],
+    ) -> SearchResult:
         means, stds = [], []
         for index in range(len(self.candidates)):
             values = scores.get(index)
@@ -420,14 +413,13 @@ class HonestGridSearch:
                 continue
             means.append(statistics.fmean(values))
             stds.append(statistics.pstdev(values) if len(values) > 1 else 0.0)
-        signed = [m if self.mode == "max" else -m for m in means]
         drawn = sorted(scores)
         if self.selection == "noisy":
-            winner = drawn[
-                noisy_argmax([signed[i] for i in drawn], self.selection_epsilon, self.score_sensitivity, self.generator)
-            ]
+            assert self.selection_epsilon is not None and self.score_sensitivity is not None  # checked in __init__
+            signed = [self.signed(means[i]) for i in drawn]
+            winner = drawn[noisy_argmax(signed, self.selection_epsilon, self.score_sensitivity, self.generator)]
         else:
-            winner = max(drawn, key=lambda i: signed[i] if math.isfinite(signed[i]) else -math.inf)
+            winner = self.best(drawn, means)
 
         uncharged = []
         details: dict[str, Any] = {}
@@ -473,8 +465,8 @@ class HonestGridSearch:
                     f"{math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))})",
                     "per-run budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
                     "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
-                    "blow-up": f"one run at this noise spends epsilon={single:.4f} at delta={self.target_delta}; random "
-                    f"stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
+                    "blow-up": f"one run at this noise spends epsilon={single:.4f} at delta={self.target_delta}; "
+                    f"random stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
                     "composition instead": f"the whole grid of {len(self.candidates)} runs would need noise multiplier "
                     f"{grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
                 }
@@ -512,11 +504,8 @@ class HonestGridSearch:
         )
 
 
-def _fmt(candidate: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in candidate.items())
-
-
 def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm  # a dependency of lightning
+    # tqdm is a dependency of lightning; it ships no type information (types-tqdm is not among our dependencies)
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     return tqdm(total=total, desc="search runs", unit="run", disable=not enabled, dynamic_ncols=True)

@@ -1,5 +1,5 @@
 """The linear scaling rule for private hyperparameter search (Panda et al., "A New Linear Scaling Rule for Private
-Adaptive Hyperparameter Optimization", Algorithms 1-3; spec section 7).
+Adaptive Hyperparameter Optimization", Algorithms 1-3; docs/algorithms.md, "Linear scaling rule").
 
 DP-SGD's step size and length enter through their product ``r = eta * T``. Two cheap random-search sweeps, each of
 ``n`` runs at a small per-run epsilon (``eps_1``, ``eps_2``), give the best ``r_1`` and ``r_2``; the line
@@ -18,22 +18,24 @@ Which sweep run is best is decided on un-noised scores, as in the paper (it sele
 choice is not covered by the guarantee, and the report says so.
 
 Pure functions (:func:`decompose`, :func:`fit_line`) hold the maths; :class:`LinearScalingSearch` runs the three
-phases through the user's Lightning ``train_fn`` and keeps the ledger.
+phases on the search harness (:class:`~lightning_oso.search.harness.PrivateSearch`: each run through the user's
+Lightning ``train_fn``) and keeps the ledger.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
+import numpy as np
 import torch
 
-from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
-from lightning_oso.randomness import keyed_generator, root_seed_sequence
-from lightning_oso.validation import PrivacyConfigurationError, check_budget_arguments, check_number
+from lightning_oso.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.search.harness import PrivateSearch, TrainFn
+from lightning_oso.validation import check_int, check_number
 
 
 def decompose(r: float, eta_max: float, steps_max: int, steps_min: int = 1) -> tuple[float, int]:
@@ -162,37 +164,58 @@ class LinearScalingResult:
         fig.savefig(path, dpi=110)
 
 
-class LinearScalingSearch:
+class LinearScalingSearch(PrivateSearch):
     r"""The linear scaling rule (Algorithms 2-3): two random-search sweeps at small epsilons, a line through their
-    best ``r = eta * T``, and one final run, with the whole procedure's privacy composed in one ledger.
+    best ``r = eta * T``, and one final run, with the whole procedure's privacy composed in one ledger
+    (docs/algorithms.md, "Linear scaling rule").
 
-    The user supplies ``train_fn(hparams, dp) -> score``: ``hparams`` holds ``eta`` (the learning rate) and ``steps``
-    (the Trainer's ``max_steps``); ``dp`` holds ``target_epsilon``, ``target_delta``, ``noise_multiplier``,
-    ``accountant`` (the procedure's ledger) and ``seed`` (the run's own random streams, spawned from the procedure's
-    ``seed``: no two runs share noise or batches) for the DP callback (``FixedThresholdDP(clip=1.0, **dp)`` with SGD,
-    momentum 0.9, full or large batches, as the paper fixes). The score is what selects the best sweep run (the
-    paper: training accuracy; or a dict with key ``"score"`` and other metrics to keep).
+    Every run is ``train_fn(hparams, dp)`` (the contract of every search here: :mod:`lightning_oso.search.harness`).
+    ``hparams`` holds ``eta`` (the learning rate) and ``steps`` (the Trainer's ``max_steps``); ``dp`` holds the DP
+    callback's arguments: the budget, this run's noise multiplier, the procedure's ledger and the run's own seed
+    (``FixedThresholdDP(clip=1.0, **dp)`` with SGD, momentum 0.9, full or large batches, as the paper fixes). The
+    score is what selects the best sweep run (the paper: training accuracy; or a mapping with key ``"score"`` and
+    other metrics to keep).
 
     Args:
-        train_fn: ``(hparams, dp) -> float | dict``; one Lightning run.
-        target_epsilon: the budget of the **whole procedure**; target_delta its delta.
+        train_fn: ``(hparams, dp) -> float | Mapping``; one Lightning run.
+        target_epsilon: the budget of the **whole procedure**.
+        target_delta: its delta.
         sample_rate: ``q`` of every run (1 for full batch).
         r_range: ``(r_min, r_max)``: the sweeps draw ``r`` log-uniformly from it.
-        eta_max: the largest step size; steps_max: ``T_max``; steps_min: the fewest steps of a run.
+        eta_max: the largest step size.
+        steps_max: ``T_max``.
         sweep_epsilons: the per-run epsilons ``(eps_1, eps_2)`` of the two sweeps (the paper: 0.1 and 0.2).
         runs_per_sweep: ``n``.
+        steps_min: the fewest steps of a run.
         mode: ``"max"`` or ``"min"`` of the score.
         accountant: ``"prv"`` (default) or ``"rdp"``.
-        seed: the root of the procedure's randomness (an int, or ``None`` for 128 bits from the operating system):
-            the draws of ``r`` and every run's streams are derived from it.
+        seed: the root of the procedure's randomness (an int, a ``numpy.random.SeedSequence``, or ``None`` for 128
+            bits from the operating system): the draws of ``r`` and every run's streams are derived from it.
 
     Raises:
         PrivacyConfigurationError: for an invalid argument, or when the sweeps alone would spend the budget.
+
+    Example:
+        With Lightning, ``train_fn`` fits one model (see the README); here a stand-in charges the steps such a run
+        would, and its score peaks where ``r = 40 * eps`` of the run:
+
+        >>> import math
+        >>> from lightning_oso import compute_epsilon
+        >>> from lightning_oso.search import LinearScalingSearch
+        >>> def train(hparams, dp):
+        ...     dp["accountant"].step(dp["noise_multiplier"], 1.0, hparams["steps"])  # FixedThresholdDP(**dp) would
+        ...     own = compute_epsilon([(dp["noise_multiplier"], 1.0, hparams["steps"])], dp["target_delta"])
+        ...     return -((math.log(hparams["eta"] * hparams["steps"]) - math.log(40 * own)) ** 2)
+        >>> search = LinearScalingSearch(train, target_epsilon=2.0, target_delta=1e-5, sample_rate=1.0,
+        ...                              r_range=(0.5, 200.0), eta_max=1.0, steps_max=500, runs_per_sweep=3, seed=1)
+        >>> result = search.run()
+        >>> len(result.trials), result.epsilon_spent <= 2.0
+        (7, True)
     """
 
     def __init__(
         self,
-        train_fn: Callable[[dict, dict], float | Mapping[str, Any]],
+        train_fn: TrainFn,
         target_epsilon: float,
         target_delta: float,
         sample_rate: float,
@@ -204,39 +227,26 @@ class LinearScalingSearch:
         steps_min: int = 1,
         mode: str = "max",
         accountant: str = "prv",
-        seed: int | None = None,
+        seed: int | np.random.SeedSequence | None = None,
     ) -> None:
-        check_budget_arguments(target_epsilon, target_delta, None)
-        if not callable(train_fn):
-            raise PrivacyConfigurationError(f"train_fn must be callable, got {train_fn!r}")
+        super().__init__(train_fn, target_epsilon, target_delta, mode, accountant, seed)
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
             raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
         if len(r_range) != 2 or not 0 < r_range[0] < r_range[1]:
             raise PrivacyConfigurationError(f"r_range must be (r_min, r_max) with 0 < r_min < r_max, got {r_range!r}")
-        check_number("eta_max", eta_max, positive=True)
-        for name, value in (("steps_max", steps_max), ("steps_min", steps_min), ("runs_per_sweep", runs_per_sweep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PrivacyConfigurationError(f"{name} must be a positive int, got {value!r}")
+        self.eta_max = check_number("eta_max", eta_max, positive=True)
+        self.steps_max = check_int("steps_max", steps_max, minimum=1)
+        self.steps_min = check_int("steps_min", steps_min, minimum=1)
+        self.runs_per_sweep = check_int("runs_per_sweep", runs_per_sweep, minimum=1)
         if steps_min > steps_max:
             raise PrivacyConfigurationError(f"steps_min={steps_min} exceeds steps_max={steps_max}")
         if len(sweep_epsilons) != 2 or not 0 < sweep_epsilons[0] < sweep_epsilons[1]:
             raise PrivacyConfigurationError(
                 f"sweep_epsilons must be (eps_1, eps_2) with 0 < eps_1 < eps_2, got {sweep_epsilons!r}"
             )
-        if mode not in ("max", "min"):
-            raise PrivacyConfigurationError(f"mode must be 'max' or 'min', got {mode!r}")
-        if accountant not in ACCOUNTANTS:
-            raise PrivacyConfigurationError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-        self.train_fn = train_fn
-        self.target_epsilon, self.target_delta = float(target_epsilon), float(target_delta)
         self.sample_rate = float(sample_rate)
         self.r_range = (float(r_range[0]), float(r_range[1]))
-        self.eta_max, self.steps_max, self.steps_min = float(eta_max), steps_max, steps_min
         self.sweep_epsilons = (float(sweep_epsilons[0]), float(sweep_epsilons[1]))
-        self.runs_per_sweep = runs_per_sweep
-        self.mode, self.accountant = mode, accountant
-        self._root = root_seed_sequence(seed)
-        self.generator = keyed_generator(self._root.spawn(1)[0])
         # The sweeps are planned before any data is touched (r is drawn independently of the data), so a budget
         # they would exhaust is refused up front.
         self.sweep_plans = [self._plan_sweep(eps) for eps in self.sweep_epsilons]
@@ -263,17 +273,14 @@ class LinearScalingSearch:
 
     # ------------------------------------------------------------------ running
     def run(self) -> LinearScalingResult:
-        ledger = PrivacyAccountant(self.target_delta, self.accountant)
+        ledger = self.new_ledger(self.target_delta)  # the whole procedure: one composition
         trials: list[Trial] = []
         best_r = []
         for k, plans in enumerate(self.sweep_plans):
             phase = f"sweep {k + 1}"
             runs = [self._train(phase, plan, self.sweep_epsilons[k], ledger) for plan in plans]
             trials += runs
-            signed = [t.score if self.mode == "max" else -t.score for t in runs]
-            best_r.append(
-                runs[max(range(len(runs)), key=lambda i: signed[i] if math.isfinite(signed[i]) else -math.inf)].r
-            )
+            best_r.append(runs[self.best(range(len(runs)), [t.score for t in runs])].r)
         slope, intercept = fit_line(list(zip(self.sweep_epsilons, best_r)))
         prior = [tuple(s) for s in ledger.history]
         final_epsilon, plan = self._plan_final(slope, intercept, prior, (best_r[0], best_r[1]))
@@ -345,23 +352,13 @@ class LinearScalingSearch:
         return final_epsilon, plan
 
     def _train(self, phase: str, plan: dict, run_epsilon: float, ledger: PrivacyAccountant) -> Trial:
-        before = ledger.steps
-        dp = {
-            "target_epsilon": self.target_epsilon,
-            "target_delta": self.target_delta,
-            "noise_multiplier": plan["noise_multiplier"],
-            "accountant": ledger,
-            "seed": self._root.spawn(1)[0],
-        }
-        returned = self.train_fn({"eta": plan["eta"], "steps": plan["steps"]}, dp)
-        metrics = dict(returned) if isinstance(returned, Mapping) else {"score": returned}
-        score = float(metrics.pop("score"))
-        taken = ledger.steps - before
-        if taken != plan["steps"]:
+        dp = self.dp_arguments(self.target_epsilon, self.target_delta, plan["noise_multiplier"], ledger)
+        outcome = self.train({"eta": plan["eta"], "steps": plan["steps"]}, dp)
+        if outcome.steps != plan["steps"]:
             raise PrivacyConfigurationError(
-                f"the {phase} run took {taken} private steps, but was planned with T={plan['steps']}: train_fn must "
-                "pass dp to its DP callback and set the Trainer's max_steps to hparams['steps'] (the noise was "
-                "calibrated for exactly that many)"
+                f"the {phase} run took {outcome.steps} private steps, but was planned with T={plan['steps']}: "
+                "train_fn must pass dp to its DP callback and set the Trainer's max_steps to hparams['steps'] (the "
+                "noise was calibrated for exactly that many)"
             )
         return Trial(
             phase,
@@ -370,6 +367,6 @@ class LinearScalingSearch:
             plan["steps"],
             run_epsilon,
             plan["noise_multiplier"],
-            score,
-            metrics,
+            outcome.score,
+            outcome.metrics,
         )
