@@ -506,6 +506,6 @@ class HonestGridSearch(PrivateSearch):
 
 def _progress_bar(total: int, enabled: bool):
     # tqdm is a dependency of lightning; it ships no type information (types-tqdm is not among our dependencies)
-    from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="search runs", unit="run", disable=not enabled, dynamic_ncols=True)
