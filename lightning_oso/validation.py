@@ -28,7 +28,8 @@ _NORM_FIX = (
 
 
 def validate_model(module: nn.Module) -> None:
-    """Refuse layers that mix samples or that Opacus' per-sample gradient hooks cannot handle (spec section 0)."""
+    """Refuse layers that mix samples or that Opacus' per-sample gradient hooks cannot handle (docs/algorithms.md,
+    "What is private")."""
     problems = []
     for name, layer in module.named_modules():
         label = f"{name or '<root>'} ({type(layer).__name__})"

@@ -65,7 +65,7 @@ class PURDP(DPCallback):
         target_delta: float = DEFAULT_TARGET_DELTA,
         **kwargs: Unpack[RunArguments],
     ) -> None:
-        super().__init__(target_epsilon, target_delta, **kwargs)
+        super().__init__(target_epsilon, target_delta, noise_multiplier=None, **kwargs)  # the schedule sets nu
         self.schedule = check_instance("schedule", schedule, PURSchedule, "lightning_oso.schedules.PURSchedule")
         self.lipschitz = check_positive("lipschitz", lipschitz)
 
