@@ -9,16 +9,16 @@ every method; only the rule varies:
 - ``noise_stds()``: ``[k]``, the standard deviation of the Gaussian noise of each sum;
 - ``scalar_queries(norms)``: ``[n, m]`` per-sample contributions to scalar sums (e.g. the quantile rule's count),
   or ``None``; ``scalar_noise_stds()``: ``[m]``;
-- ``update(sanitised, scalars)``: post-processing of the sanitised values only (spec section 0); returns a factor
-  for the learning rate(s) or ``None``.
+- ``update(sanitised, scalars)``: post-processing of the sanitised values only (docs/algorithms.md, "What is
+  private"); returns a factor for the learning rate(s) or ``None``.
 
 Every rule keeps ``noise_multiplier`` (``nu``, what the accountant sees per step) equal to the multiplier of the
-single Gaussian mechanism that its queries, released together, amount to (spec sections 1-3).
+single Gaussian mechanism that its queries, released together, amount to (docs/algorithms.md, "OSO-DPSGD",
+"Fixed-threshold clipping", "Quantile clipping").
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +26,18 @@ from torch import Tensor
 
 from lightning_oso import private_step
 from lightning_oso.accounting import DEFAULT_DIRECTION_NOISE_RATIO, split_noise_multiplier
+from lightning_oso.validation import check_open_interval, check_positive
+
+# The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
+#: OSO, the OSO paper's defaults: ``C_0``, ``rho_c`` (step of ``C_t``) and ``rho_r`` (step of the learning rate).
+OSO_INITIAL_CLIP = 0.1
+OSO_CLIP_LR = 2.5e-3
+OSO_LR_LR = 2.5e-3
+#: Quantile clipping as run in the OSO paper: ``gamma`` (the median), ``C_0`` and ``eta_C``; ``sigma_b`` follows
+#: the expected batch size (:func:`default_count_noise_std`).
+QUANTILE_TARGET = 0.5
+QUANTILE_INITIAL_CLIP = 0.1
+QUANTILE_CLIP_LR = 0.2
 
 
 class ClippingRule:
@@ -43,13 +55,9 @@ class ClippingRule:
     _mechanism_keys: tuple[str, ...] = ("noise_multiplier",)
 
     def __init__(self, noise_multiplier: float, clip: float) -> None:
-        if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be positive and finite, got {noise_multiplier}")
-        if not (clip > 0 and math.isfinite(clip)):
-            raise ValueError(f"the clipping threshold must be positive and finite, got {clip}")
-        self.noise_multiplier = float(noise_multiplier)
+        self.noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         self.gradient_noise_multiplier = self.noise_multiplier
-        self.clip = torch.tensor(float(clip), dtype=torch.float64)
+        self.clip = torch.tensor(check_positive("clip", clip), dtype=torch.float64)
 
     def to(self, device: torch.device) -> ClippingRule:
         self.clip = self.clip.to(device)
@@ -95,7 +103,8 @@ class ClippingRule:
 
 
 class FixedThresholdClipping(ClippingRule):
-    """Fixed-threshold DP-SGD (Abadi et al. 2016; spec section 2): ``C_t = C``, one query, ``nu_g = nu``.
+    """Fixed-threshold DP-SGD (Abadi et al. 2016; docs/algorithms.md, "Fixed-threshold clipping"): ``C_t = C``, one
+    query, ``nu_g = nu``.
 
     The clipped sum ``sum_i g_i min(1, C / ||g_i||)`` has sensitivity ``C`` and gets noise ``N(0, (C nu)^2 I)``.
     Works with any optimizer: the optimizer only post-processes the sanitised gradient.
@@ -103,7 +112,8 @@ class FixedThresholdClipping(ClippingRule):
 
 
 class FixedQuantileClipping(ClippingRule):
-    """Quantile-based adaptive clipping (Andrew et al. 2021) as run in the OSO paper (spec section 3).
+    """Quantile-based adaptive clipping (Andrew et al. 2021) as run in the OSO paper (docs/algorithms.md, "Quantile
+    clipping").
 
     Per step, besides the clipped sum, the centred count ``sum_i (b_i - 1/2)`` with ``b_i = 1[||g_i|| <= C_t]``
     (sensitivity 1/2 under add/remove-one) gets noise ``N(0, sigma_b^2)``:
@@ -129,13 +139,11 @@ class FixedQuantileClipping(ClippingRule):
         noise_multiplier: float,
         target_quantile: float,
         count_noise_std: float,
-        initial_clip: float = 0.1,
-        clip_lr: float = 0.2,
+        initial_clip: float = QUANTILE_INITIAL_CLIP,
+        clip_lr: float = QUANTILE_CLIP_LR,
     ) -> None:
         super().__init__(noise_multiplier, initial_clip)
-        if not 0 < target_quantile < 1:
-            raise ValueError(f"target_quantile must lie in (0, 1), got {target_quantile}")
-        self.target_quantile = float(target_quantile)
+        self.target_quantile = check_open_interval("target_quantile", target_quantile, 0, 1)
         self.count_noise_std = float(count_noise_std)
         self.clip_lr = float(clip_lr)
         self.gradient_noise_multiplier = quantile_gradient_noise_multiplier(noise_multiplier, count_noise_std)
@@ -161,8 +169,14 @@ class FixedQuantileClipping(ClippingRule):
         return {} if self.unclipped_fraction is None else {"unclipped_fraction": self.unclipped_fraction}
 
 
+def default_count_noise_std(expected_batch_size: float) -> float:
+    """``sigma_b = B / 20``, the count's noise in the OSO paper's runs (``B`` the expected batch size)."""
+    return expected_batch_size / 20.0
+
+
 def quantile_gradient_noise_multiplier(noise_multiplier: float, count_noise_std: float) -> float:
-    """``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` (spec section 3); refuses ``nu >= 2 sigma_b``."""
+    """``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` (docs/algorithms.md, "Quantile clipping"); refuses
+    ``nu >= 2 sigma_b``."""
     count_multiplier = 2.0 * count_noise_std  # the centred count has sensitivity 1/2
     if not noise_multiplier < count_multiplier:
         raise ValueError(
@@ -174,7 +188,7 @@ def quantile_gradient_noise_multiplier(noise_multiplier: float, count_noise_std:
 
 
 class OSOClipping(ClippingRule):
-    """Online Sensitivity Optimisation (OSO paper, Algorithm 1; spec section 1).
+    """Online Sensitivity Optimisation (OSO paper, Algorithm 1; docs/algorithms.md, "OSO-DPSGD").
 
     Per step: the clipped-gradient sum with noise ``N(0, (C_t nu_g)^2 I)`` and the direction sum of the clipped
     samples with noise ``N(0, nu_q^2 I)``; ``nu_g`` and ``nu_q`` split ``nu`` by Proposition 1. After the parameter
@@ -182,7 +196,7 @@ class OSOClipping(ClippingRule):
 
     ``C_{t+1} = C_t exp(rho_c sign(g~_t . q~_{t-1}))`` and ``rho_{t+1} = rho_t exp(rho_r sign(g~_t . g~_{t-1}))``,
     with ``q~_0 = g~_0 = 0`` (``sign(0) = 0``: no change at the first step). With SGD momentum the hypergradient
-    only gains a positive factor, so the same sign rules hold (spec section 1, step 8).
+    only gains a positive factor, so the same sign rules hold (docs/algorithms.md, "OSO-DPSGD", step 8).
 
     Args:
         noise_multiplier: ``nu``, what the accountant sees per step.
@@ -199,9 +213,9 @@ class OSOClipping(ClippingRule):
     def __init__(
         self,
         noise_multiplier: float,
-        initial_clip: float = 0.1,
-        clip_lr: float = 2.5e-3,
-        lr_lr: float = 2.5e-3,
+        initial_clip: float = OSO_INITIAL_CLIP,
+        clip_lr: float = OSO_CLIP_LR,
+        lr_lr: float = OSO_LR_LR,
         direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
     ) -> None:
         super().__init__(noise_multiplier, initial_clip)
@@ -267,7 +281,7 @@ class OSOClipping(ClippingRule):
 
 class ScheduledNoiseClipping(ClippingRule):
     """A fixed threshold with a noise multiplier that follows a data-independent schedule: full-batch DP-GD with
-    PUR noise (spec section 6; ``schedules.PURSchedule``).
+    PUR noise (docs/algorithms.md, "PUR schedules"; ``schedules.PURSchedule``).
 
     The threshold is the per-example Lipschitz constant ``L``: under the schedule's assumption no gradient is
     clipped, and the clipping enforces the sensitivity where the assumption fails. Step ``t`` adds noise of

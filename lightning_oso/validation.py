@@ -8,6 +8,8 @@ with a message that names what is wrong and what to do.
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,7 +28,8 @@ _NORM_FIX = (
 
 
 def validate_model(module: nn.Module) -> None:
-    """Refuse layers that mix samples or that Opacus' per-sample gradient hooks cannot handle (spec section 0)."""
+    """Refuse layers that mix samples or that Opacus' per-sample gradient hooks cannot handle (docs/algorithms.md,
+    "What is private")."""
     problems = []
     for name, layer in module.named_modules():
         label = f"{name or '<root>'} ({type(layer).__name__})"
@@ -112,7 +115,8 @@ def validate_optimization(pl_module, optimizers) -> None:
 
 
 def _is_real(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
+    """A real number: Python's or numpy's (``numbers.Real``), but not a bool (usually a misplaced argument)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
 def check_number(name: str, value: Any, positive: bool = False) -> float:
@@ -149,11 +153,13 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
-    """One of ``choices`` (the ``Literal`` values of the argument's type)."""
+def check_choice(name: str, value: Any, choices: Iterable[str], alternative: str = "") -> str:
+    """One of ``choices`` (the ``Literal`` values of the argument's type); ``alternative`` names what else the
+    caller accepts and has checked itself (e.g. ``"a PrivacyAccountant"``), for the message."""
     choices = tuple(choices)
     if value not in choices:
-        raise PrivacyConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        also = f" or {alternative}" if alternative else ""
+        raise PrivacyConfigurationError(f"{name} must be one of {', '.join(map(repr, choices))}{also}; got {value!r}")
     return value
 
 
@@ -161,6 +167,33 @@ def check_callable(name: str, value: Any) -> Callable:
     if not callable(value):
         raise PrivacyConfigurationError(f"{name} must be callable, got {type(value).__name__}")
     return value
+
+
+def check_instance(name: str, value: Any, kind: type, what: str = "") -> Any:
+    """An instance of ``kind`` (``what`` names it in the message, e.g. with its module)."""
+    if not isinstance(value, kind):
+        raise PrivacyConfigurationError(f"{name} must be a {what or kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def check_seed(name: str, value: Any) -> int | np.random.SeedSequence | None:
+    """A seed: a non-negative int, a numpy ``SeedSequence``, or ``None`` (draw one from the operating system)."""
+    if value is None or isinstance(value, np.random.SeedSequence):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise PrivacyConfigurationError(
+            f"{name} must be a non-negative int, a numpy SeedSequence or None, got {value!r}"
+        )
+    return int(value)
+
+
+def check_path(name: str, value: Any, also: tuple[Any, ...] = ()) -> Any:
+    """A file path (``str`` or ``os.PathLike``), or one of the sentinels ``also`` (e.g. ``None``, ``False``), which
+    are compared by identity (``0`` is not ``False``)."""
+    if any(value is sentinel for sentinel in also) or isinstance(value, (str, os.PathLike)):
+        return value
+    sentinels = "".join(f", {sentinel!r}" for sentinel in also[:-1]) + (f" or {also[-1]!r}" if also else "")
+    raise PrivacyConfigurationError(f"{name} must be a path{sentinels}, got {value!r}")
 
 
 def check_budget_arguments(target_epsilon: Any, target_delta: Any, noise_multiplier: Any) -> None:

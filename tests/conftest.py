@@ -2,6 +2,9 @@
 
 import lightning.pytorch as L
 import pytest
+from helpers import ToyModel, make_trainer, toy_loader
+
+from lightning_oso import OSODP
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +40,20 @@ def _reproducible_default_streams(request, monkeypatch):
 
     for module in (randomness, callbacks, harness):
         monkeypatch.setattr(module, "root_seed_sequence", fixed_for_this_test)
+
+
+@pytest.fixture
+def fit_toy():
+    """Train the toy problem privately: ``fit_toy(model=None, dp=None, loader=None, **trainer_kwargs)`` fits
+    ``model`` (a fresh ``ToyModel``) on ``loader`` (``toy_loader()``: 200 records, expected batch 20) with the DP
+    callback ``dp`` (``OSODP(target_epsilon=3.0, target_delta=1e-4)``) on a quiet CPU trainer (``make_trainer``:
+    3 epochs unless ``trainer_kwargs`` say otherwise), and returns the trainer."""
+
+    def fit(model=None, dp=None, loader=None, **trainer_kwargs):
+        model = ToyModel() if model is None else model
+        dp = OSODP(target_epsilon=3.0, target_delta=1e-4) if dp is None else dp
+        trainer = make_trainer([dp], **trainer_kwargs)
+        trainer.fit(model, toy_loader() if loader is None else loader)
+        return trainer
+
+    return fit

@@ -1,6 +1,8 @@
 """End-to-end: OSODP with a real Trainer: logging, Poisson sampling, budget stop, resume, the model left as it was."""
 
 import glob
+import inspect
+from typing import get_args
 
 import pytest
 import torch
@@ -10,7 +12,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from lightning_oso import OSODP, DPStrategy, compute_epsilon
+from lightning_oso import OSODP, PURDP, DPCallback, DPStrategy, FixedQuantileDP, FixedThresholdDP, compute_epsilon
+from lightning_oso.accounting import ACCOUNTANTS, FULL_BATCH_ACCOUNTANTS
+from lightning_oso.callbacks import DPArguments, RunArguments
+from lightning_oso.callbacks.arguments import AccountantName, GradSampleMode
+from lightning_oso.strategy import GRAD_SAMPLE_MODES
 
 
 @pytest.mark.slow
@@ -63,10 +69,10 @@ def test_training_batches_are_poisson_samples():
     assert sizes.var().item() == pytest.approx(18, rel=0.5)
 
 
-def test_empty_batches_train_and_are_accounted():
+def test_empty_batches_train_and_are_accounted(fit_toy):
     dp = OSODP(target_epsilon=20.0, target_delta=1e-3)
     model = ToyModel()
-    make_trainer([dp], max_epochs=2).fit(model, toy_loader(n=30, batch_size=1))
+    fit_toy(model, dp, toy_loader(n=30, batch_size=1), max_epochs=2)
     assert 0 in model.batch_sizes
     assert dp.steps == 60  # empty batches are steps too
 
@@ -117,17 +123,17 @@ def test_user_hooks_and_optimizer_see_only_sanitised_gradients(grad_sample_mode)
         torch.testing.assert_close(p.detach(), p0 - 1.0 * g)  # SGD, lr 1, no momentum: the step is -grad
 
 
-def test_unused_parameter_is_noised():
+def test_unused_parameter_is_noised(fit_toy):
     model = ToyModel()
     model.unused = nn.Linear(3, 3)
     before = model.unused.weight.detach().clone()
-    make_trainer([OSODP(target_epsilon=5.0, target_delta=1e-4)], max_epochs=1).fit(model, toy_loader())
+    fit_toy(model, OSODP(target_epsilon=5.0, target_delta=1e-4), max_epochs=1)
     assert not torch.equal(before, model.unused.weight.detach())
 
 
-def test_model_is_left_unchanged_after_fit():
+def test_model_is_left_unchanged_after_fit(fit_toy):
     model = ToyModel()
-    make_trainer([OSODP(target_epsilon=5.0, target_delta=1e-4)], max_epochs=1).fit(model, toy_loader())
+    fit_toy(model, OSODP(target_epsilon=5.0, target_delta=1e-4), max_epochs=1)
     assert type(model) is ToyModel
     assert not hasattr(model, "autograd_grad_sample_hooks")
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())
@@ -141,11 +147,10 @@ def test_explicit_strategy_and_momentum():
     assert trainer.strategy is strategy and dp.steps == 30 and dp.epsilon <= 3.0
 
 
-def test_nonprivate_diagnostics_only_on_opt_in():
+def test_nonprivate_diagnostics_only_on_opt_in(fit_toy):
     dp = OSODP(target_epsilon=5.0, target_delta=1e-4, log_nonprivate_diagnostics=True)
-    trainer = make_trainer([dp], max_epochs=1)
     with pytest.warns(UserWarning, match="NOT covered"):
-        trainer.fit(ToyModel(), toy_loader())
+        trainer = fit_toy(dp=dp, max_epochs=1)
     metrics = trainer.callback_metrics
     assert {"nonprivate/clipped_fraction", "nonprivate/grad_norm_max", "nonprivate/batch_size"} <= set(metrics)
 
@@ -193,3 +198,31 @@ def test_resume_after_budget_spent_is_refused(tmp_path):
     with pytest.raises(ValueError, match="already spent"):
         make_trainer([again], max_epochs=200).fit(model, toy_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert not model.batch_sizes
+
+
+# ------------------------------------------------------------------ the shared arguments, written once
+def test_shared_arguments_are_written_once():
+    """DPCallback's signature holds the shared arguments and their defaults; DPArguments (RunArguments for PURDP)
+    types them for the methods, which take the budget, their own arguments, and forward the rest."""
+    base = inspect.signature(DPCallback).parameters
+    assert list(base)[:2] == ["target_epsilon", "target_delta"]
+    assert set(base) == {"target_epsilon", "target_delta", *DPArguments.__annotations__}
+    assert set(DPArguments.__annotations__) - set(RunArguments.__annotations__) == {"noise_multiplier"}
+    for method in (OSODP, FixedThresholdDP, FixedQuantileDP, PURDP):
+        params = inspect.signature(method).parameters
+        assert params["target_delta"].default == base["target_delta"].default
+        assert params["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+        assert not set(params) & set(DPArguments.__annotations__)  # none of them repeats a shared argument
+    # the Literal types name what the checks accept
+    assert get_args(GradSampleMode) == GRAD_SAMPLE_MODES
+    assert set(get_args(AccountantName)) == {*ACCOUNTANTS, *FULL_BATCH_ACCOUNTANTS}
+
+
+@pytest.mark.parametrize("method", [DPCallback, OSODP, FixedThresholdDP, FixedQuantileDP, PURDP])
+def test_every_argument_is_documented(method):
+    params = inspect.signature(method).parameters
+    shared = RunArguments if method is PURDP else DPArguments
+    names = [name for name in params if name != "kwargs"] + list(shared.__annotations__)
+    for name in names:
+        assert f"\n        {name}: " in method.__doc__, name
+    assert "{shared}" not in method.__doc__

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers import ToyModel, make_trainer, toy_loader
+from helpers import ToyModel, make_pur
 from torch import nn
 
-from lightning_oso import OSODP, PrivacyConfigurationError
+from lightning_oso import OSODP, PrivacyAccountant, PrivacyConfigurationError
 
 
 @pytest.mark.parametrize("eps", [0, -1.0, math.inf, math.nan, None, "3", True])
@@ -34,6 +34,13 @@ def test_bad_target_delta(delta):
         ({"direction_noise_ratio": 1.0}, "direction_noise_ratio"),
         ({"loss_reduction": "none"}, "loss_reduction"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"grad_sample_mode": "ghost"}, "grad_sample_mode must be one of"),
+        ({"ledger_path": True}, "ledger_path must be a path, None or False"),
+        ({"ledger_path": 3}, "ledger_path"),
+        ({"deterministic_resume": "yes"}, "deterministic_resume must be True or False"),
+        ({"log_nonprivate_diagnostics": 1}, "log_nonprivate_diagnostics must be True or False"),
+        ({"deterministic_resume": True}, "deterministic_resume=True .* needs its seed"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, name):
@@ -41,74 +48,91 @@ def test_bad_arguments_name_the_argument(kwargs, name):
         OSODP(target_epsilon=1.0, **kwargs)
 
 
-def test_delta_not_below_one_over_n_warns():
+def test_accountant_is_a_name_or_an_accountant_at_the_same_delta():
+    with pytest.raises(
+        PrivacyConfigurationError, match="accountant must be one of 'prv', 'rdp' or a PrivacyAccountant"
+    ):
+        OSODP(target_epsilon=1.0, accountant="zcdp")  # zCDP accounts full-batch schedules only (PURDP)
+    with pytest.raises(PrivacyConfigurationError, match="delta=1e-06, but target_delta=1e-05: pass the same delta"):
+        OSODP(target_epsilon=1.0, accountant=PrivacyAccountant(1e-6))
+    shared = PrivacyAccountant(1e-5, "rdp")
+    assert OSODP(target_epsilon=1.0, accountant=shared).accountant is shared
+
+
+def test_only_the_budget_is_positional():
+    dp = OSODP(2.0, 1e-6)
+    assert (dp.target_epsilon, dp.target_delta) == (2.0, 1e-6)
+    with pytest.raises(TypeError):
+        OSODP(2.0, 1e-6, 1.0)  # noise_multiplier and everything after the budget are keyword-only
+
+
+def test_purdp_takes_no_noise_multiplier():
+    with pytest.raises(TypeError, match="noise_multiplier"):
+        make_pur(noise_multiplier=1.0)  # its schedule sets the noise
+
+
+def test_delta_not_below_one_over_n_warns(fit_toy):
     with pytest.warns(UserWarning, match="1/N"):
-        make_trainer([OSODP(target_epsilon=3.0, target_delta=0.01)], max_epochs=1).fit(ToyModel(), toy_loader())
+        fit_toy(dp=OSODP(target_epsilon=3.0, target_delta=0.01), max_epochs=1)
 
 
-def _fit(model=None, dp=None, **trainer_kwargs):
-    model = model or ToyModel()
-    make_trainer([dp or OSODP(target_epsilon=3.0, target_delta=1e-4)], **trainer_kwargs).fit(model, toy_loader())
-    return model
-
-
-def test_batchnorm_is_refused_with_its_name_and_fix():
+def test_batchnorm_is_refused_with_its_name_and_fix(fit_toy):
     model = ToyModel(net=nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)))
     with pytest.raises(PrivacyConfigurationError, match=r"net\.1 \(BatchNorm1d\).*GroupNorm"):
-        _fit(model)
+        fit_toy(model)
     assert not model.batch_sizes  # refused before any data was touched
 
 
-def test_lstm_is_refused():
+def test_lstm_is_refused(fit_toy):
     model = ToyModel()
     model.rnn = nn.LSTM(4, 4)
     with pytest.raises(PrivacyConfigurationError, match="DPLSTM"):
-        _fit(model)
+        fit_toy(model)
 
 
-def test_instance_norm_with_running_stats_is_refused():
+def test_instance_norm_with_running_stats_is_refused(fit_toy):
     model = ToyModel()
     model.norm = nn.InstanceNorm1d(4, track_running_stats=True, affine=True)
     with pytest.raises(PrivacyConfigurationError, match="track_running_stats"):
-        _fit(model)
+        fit_toy(model)
 
 
-def test_accumulate_grad_batches_refused():
+def test_accumulate_grad_batches_refused(fit_toy):
     with pytest.raises(PrivacyConfigurationError, match="accumulate_grad_batches"):
-        _fit(accumulate_grad_batches=2)
+        fit_toy(accumulate_grad_batches=2)
 
 
-def test_gradient_clip_val_refused():
+def test_gradient_clip_val_refused(fit_toy):
     with pytest.raises(PrivacyConfigurationError, match="gradient_clip_val"):
-        _fit(gradient_clip_val=1.0)
+        fit_toy(gradient_clip_val=1.0)
 
 
-def test_mixed_precision_with_loss_scaler_refused():
+def test_mixed_precision_with_loss_scaler_refused(fit_toy):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     precision = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(PrivacyConfigurationError, match="loss scaler"):
-        _fit(plugins=[precision])
+        fit_toy(plugins=[precision])
 
 
-def test_adam_refused_with_reason():
+def test_adam_refused_with_reason(fit_toy):
     model = ToyModel(optimizer="adam")
-    with pytest.raises(PrivacyConfigurationError, match="Adam.*unit sensitivity"):
-        _fit(model)
+    with pytest.raises(PrivacyConfigurationError, match=r"Adam.*unit sensitivity"):
+        fit_toy(model)
     assert not model.batch_sizes
 
 
-def test_manual_optimisation_refused():
+def test_manual_optimisation_refused(fit_toy):
     class Manual(ToyModel):
         def __init__(self):
             super().__init__()
             self.automatic_optimization = False
 
     with pytest.raises(PrivacyConfigurationError, match="manual optimisation"):
-        _fit(Manual())
+        fit_toy(Manual())
 
 
-def test_multiple_optimizers_refused():
+def test_multiple_optimizers_refused(fit_toy):
     class Two(ToyModel):
         def configure_optimizers(self):
             return [
@@ -117,38 +141,38 @@ def test_multiple_optimizers_refused():
             ]
 
     with pytest.raises(Exception, match="optimizer"):
-        _fit(Two())
+        fit_toy(Two())
 
 
-def test_budget_too_small_for_one_step():
+def test_budget_too_small_for_one_step(fit_toy):
     with pytest.raises(PrivacyConfigurationError, match="single step"):
-        _fit(dp=OSODP(target_epsilon=0.01, target_delta=1e-4, noise_multiplier=0.5))
+        fit_toy(dp=OSODP(target_epsilon=0.01, target_delta=1e-4, noise_multiplier=0.5))
 
 
-def test_min_epochs_beyond_budget_refused():
+def test_min_epochs_beyond_budget_refused(fit_toy):
     with pytest.raises(PrivacyConfigurationError, match="min_epochs"):
-        _fit(dp=OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0), max_epochs=100, min_epochs=100)
+        fit_toy(dp=OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0), max_epochs=100, min_epochs=100)
 
 
-def test_unbounded_training_needs_noise_multiplier():
+def test_unbounded_training_needs_noise_multiplier(fit_toy):
     with pytest.raises(PrivacyConfigurationError, match="max_epochs"):
-        _fit(max_epochs=-1)
+        fit_toy(max_epochs=-1)
 
 
-def test_unsupported_strategy_says_what_to_pass():
+def test_unsupported_strategy_says_what_to_pass(fit_toy):
     from lightning.pytorch.strategies import DDPStrategy
 
     class NotSingle(DDPStrategy):
         pass
 
     with pytest.raises(PrivacyConfigurationError, match="DPStrategy"):
-        _fit(strategy=NotSingle(process_group_backend="gloo"))
+        fit_toy(strategy=NotSingle(process_group_backend="gloo"))
 
 
-def test_training_step_without_loss_is_refused():
+def test_training_step_without_loss_is_refused(fit_toy):
     class NoLoss(ToyModel):
         def training_step(self, batch, batch_idx):
             return None
 
     with pytest.raises(RuntimeError, match="no per-sample gradients"):
-        _fit(NoLoss())
+        fit_toy(NoLoss())

@@ -1,6 +1,7 @@
 """The competing methods (spec sections 2-4) and OSO with momentum (section 1.8): their maths on tensors, their
 noise and sensitivity, and each trained end to end through the plugin."""
 
+import inspect
 import math
 
 import pytest
@@ -128,10 +129,10 @@ def test_quantile_clip_tracks_the_target_quantile():
     assert dp.epsilon <= 200.0
 
 
-def test_quantile_refuses_too_much_noise_for_the_count():
+def test_quantile_refuses_too_much_noise_for_the_count(fit_toy):
     dp = FixedQuantileDP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=3.0)  # B=20: 2 sigma_b = 2
     with pytest.raises(PrivacyConfigurationError, match="count_noise_std"):
-        make_trainer([dp], max_epochs=1).fit(ToyModel(), toy_loader())
+        fit_toy(dp=dp, max_epochs=1)
 
 
 # ------------------------------------------------------------------ DPAdam / DPAdamWOSM
@@ -210,13 +211,13 @@ def test_wosm_bad_arguments(kwargs, name):
         DPAdamWOSM([nn.Parameter(torch.zeros(2))], **kwargs)
 
 
-def test_quantile_refuses_wosm():
+def test_quantile_refuses_wosm(fit_toy):
     class WOSMModel(ToyModel):
         def configure_optimizers(self):
             return DPAdamWOSM(self.parameters())
 
     with pytest.raises(PrivacyConfigurationError, match="constant clipping threshold"):
-        make_trainer([FixedQuantileDP(target_epsilon=3.0, target_delta=1e-4)]).fit(WOSMModel(), toy_loader())
+        fit_toy(WOSMModel(), FixedQuantileDP(target_epsilon=3.0, target_delta=1e-4))
 
 
 @pytest.mark.parametrize(
@@ -232,6 +233,20 @@ def test_quantile_refuses_wosm():
 def test_method_arguments_are_checked(factory, name):
     with pytest.raises(PrivacyConfigurationError, match=name):
         factory()
+
+
+def test_callbacks_take_their_defaults_from_the_rules():
+    def defaults(cls, *names):
+        return [inspect.signature(cls).parameters[name].default for name in names]
+
+    oso = OSODP(target_epsilon=1.0)
+    names = ("initial_clip", "clip_lr", "lr_lr", "direction_noise_ratio")
+    assert [oso.initial_clip, oso.clip_lr, oso.lr_lr, oso.direction_noise_ratio] == defaults(OSOClipping, *names)
+    assert defaults(OSODP, *names) == defaults(OSOClipping, *names) == [0.1, 2.5e-3, 2.5e-3, 7.124]
+    quantile = FixedQuantileDP(target_epsilon=1.0)
+    assert [quantile.initial_clip, quantile.clip_lr] == defaults(FixedQuantileClipping, "initial_clip", "clip_lr")
+    assert defaults(FixedQuantileDP, "initial_clip", "clip_lr") == [0.1, 0.2]
+    assert quantile.target_quantile == 0.5
 
 
 # ------------------------------------------------------------------ OSO with momentum

@@ -190,7 +190,7 @@ def test_mid_epoch_resume_charges_every_executed_step_and_draws_anew(tmp_path):
 
     class Recording(ToyModel):
         def on_train_batch_start(self, batch, batch_idx):  # real batches only (the checks' synthetic one is not)
-            self.batches = getattr(self, "batches", []) + [sorted(batch[0].sum(1).tolist())]
+            self.batches = [*getattr(self, "batches", []), sorted(batch[0].sum(1).tolist())]
             return super().on_train_batch_start(batch, batch_idx)
 
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}")
@@ -250,7 +250,7 @@ def test_resume_with_other_targets_continues_the_composition(tmp_path):
     assert again.epsilon <= 3.0
     # a target below what is already spent: refused, with the way out
     smaller = OSODP(target_epsilon=1.0, target_delta=1e-4, seed=1)
-    with pytest.raises(PrivacyConfigurationError, match="already spent.*max_epochs/max_steps"):
+    with pytest.raises(PrivacyConfigurationError, match=r"already spent.*max_epochs/max_steps"):
         make_trainer([smaller], max_epochs=6, default_root_dir=tmp_path).fit(
             ToyModel(), toy_loader(), ckpt_path=str(tmp_path / "last.ckpt")
         )
@@ -270,7 +270,7 @@ def test_resume_with_another_method_or_without_the_ledger_is_refused(tmp_path):
         )
     ledger = next((tmp_path / "privacy_ledger").glob("*.jsonl"))
     moved = ledger.rename(tmp_path / "elsewhere.jsonl")
-    with pytest.raises(PrivacyConfigurationError, match="ledger .* is missing"):
+    with pytest.raises(PrivacyConfigurationError, match=r"ledger .* is missing"):
         make_trainer([OSODP(target_epsilon=2.0, target_delta=1e-4)], max_epochs=2).fit(
             ToyModel(), toy_loader(), ckpt_path=ckpt
         )

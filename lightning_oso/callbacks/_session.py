@@ -1,30 +1,83 @@
-"""The run, its sessions and its write-ahead ledger, as seen from a DP callback (a mixin of ``DPCallback``).
+"""The run across its fits, as seen from a DP callback (a mixin of ``DPCallback``): its randomness, its sessions,
+its write-ahead ledger, and what a checkpoint keeps of it.
 
-A *run* is one DP callback's training, continued by its resumes: it has an id, kept by its checkpoints, and one
-ledger file (``lightning_oso.ledger``). A *session* is one fit of the run: the first draws its streams with nonce 0
-(reproducible from the seed), every later one, a resume or a second ``fit``, with a nonce from the operating system
-(unless ``deterministic_resume``), so no executed step shares randomness with another. On a resume every step the
-run's ledger holds is charged, also those executed after the checkpoint was written.
+A *run* is one DP callback's training, continued by its resumes: it has an id, kept by its checkpoints, one root of
+randomness, and one ledger file (``lightning_oso.ledger``). A *session* is one fit of the run: the first draws its
+streams with nonce 0 (reproducible from the seed), every later one, a resume or a second ``fit``, with a nonce from
+the operating system (unless ``deterministic_resume``), so no executed step shares randomness with another. On a
+resume every step the run's ledger holds is charged, also those executed after the checkpoint was written.
 
-The state it uses lives on the callback (``_run_id``, ``_sessions``, ``_ledger_file``, ``_checkpoint_ledger``,
-``_restored``), where ``state_dict``/``load_state_dict`` save and restore it.
+The checkpoint holds the settings, the accountant's history, the rule's state (``C_t``, ...) and where the run's
+ledger is, under one ``state_key`` for every DP callback; :meth:`RunSession.load_state_dict` is the one restore
+path.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any, Literal
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
-from lightning_oso.ledger import LedgerError, PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
-from lightning_oso.randomness import os_nonce
-from lightning_oso.validation import PrivacyConfigurationError
+from lightning_oso import planning
+from lightning_oso.accounting import PrivacyAccountant
+from lightning_oso.clipping import ClippingRule
+from lightning_oso.errors import LedgerError, PrivacyConfigurationError
+from lightning_oso.ledger import PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
+from lightning_oso.randomness import RunRandomness, os_nonce
+from lightning_oso.strategy import PrivateTraining
 
 
-class LedgerSession:
-    """Opens a session of the run (``_begin_session``, from ``on_fit_start``) and charges the run's ledger on a
-    resume (``_charge_ledger``)."""
+class RunSession(Callback):
+    """Draws the run's randomness (``_run_randomness``, from ``setup``), opens a session of the run
+    (``_begin_session``, from ``on_fit_start``), charges the run's ledger on a resume (``_charge_ledger``), and saves
+    and restores the run in checkpoints (``state_dict``, ``load_state_dict``)."""
+
+    # The settings and the state of DPCallback this mixin reads (set in DPCallback.__init__ and its hooks).
+    seed: Any
+    secure_rng: bool
+    deterministic_resume: bool
+    ledger_path: str | os.PathLike | Literal[False] | None
+    accountant: PrivacyAccountant
+    rule: ClippingRule | None
+    _epsilon_cache: tuple[int, float] | None
+    _step_noise_multiplier: float | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._strategy: PrivateTraining | None = None
+        self._randomness: RunRandomness | None = None
+        self._run_id: str | None = None  # the run's ledger; made at its first fit, kept by its checkpoints
+        self._ledger_file: PrivacyLedger | None = None
+        self._checkpoint_ledger: str | None = None
+        self._sessions = 0  # fits of this run so far (a resumed checkpoint counts those before it)
+        self._restored: dict | None = None  # the checkpoint's state, until training starts from it
+
+    @property
+    def _training(self) -> PrivateTraining:
+        """The fit's private strategy (from ``setup`` on)."""
+        if self._strategy is None:
+            raise RuntimeError(f"{type(self).__name__} has not been set up for a fit (Trainer.fit calls its setup)")
+        return self._strategy
+
+    def _config(self, sample_rate: float | None) -> dict:
+        """The settings a checkpoint keeps, to tell on a resume whether the plan still holds."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ randomness and sessions
+    def _run_randomness(self, trainer: Trainer) -> RunRandomness:
+        """The run's randomness: one root per run, kept across its fits; the processes share rank 0's."""
+        if self._randomness is None:
+            # looked up on the package, so that patching lightning_oso.callbacks.root_seed_sequence takes effect
+            from lightning_oso import callbacks
+
+            root = None if self.secure_rng else trainer.strategy.broadcast(callbacks.root_seed_sequence(self.seed))
+            self._randomness = RunRandomness(root, secure=self.secure_rng)
+        return self._randomness
 
     def _begin_session(self, trainer: Trainer) -> None:
         """Open the run's ledger, draw this session's nonce and connect the ledger to the private step: before the
@@ -32,16 +85,16 @@ class LedgerSession:
         if self._restored is not None:
             self._charge_ledger(trainer)
         first = self._sessions == 0  # the run's first fit, not a resume or a second fit
-        if first and self._run_id is None:
+        if self._run_id is None:  # the first fit of a run (a resume and a second fit keep the id)
             self._run_id = trainer.strategy.broadcast(new_run_id())
         if self.secure_rng:
             randomness = "secure"
         elif self.deterministic_resume or first:
             randomness = "seeded" if first else "replay"
-            self._randomness.begin_session(0)
+            self._run_randomness(trainer).begin_session(0)
         else:
             randomness = "fresh"  # a resume never replays: a nonce no earlier session had
-            self._randomness.begin_session(trainer.strategy.broadcast(os_nonce()))
+            self._run_randomness(trainer).begin_session(trainer.strategy.broadcast(os_nonce()))
         if trainer.is_global_zero and self.ledger_path is not False:
             path = self._ledger_file_path(trainer)
             if self._ledger_file is None or self._ledger_file.path != path:
@@ -53,10 +106,10 @@ class LedgerSession:
                 "its last checkpoint, the steps it took since cannot be charged on resume."
             )
         self._sessions += 1
-        self._strategy.ledger = RunLedger(self.accountant, self._ledger_file, self._step_mechanism)
+        self._training.ledger = RunLedger(self.accountant, self._ledger_file, self._step_mechanism)
 
     def _ledger_file_path(self, trainer: Trainer) -> Path:
-        if self.ledger_path not in (None, False):
+        if self.ledger_path is not None and self.ledger_path is not False:
             return Path(self.ledger_path)
         if self._restored is not None and self._checkpoint_ledger is not None:
             return Path(self._checkpoint_ledger)
@@ -92,6 +145,67 @@ class LedgerSession:
             self.accountant.history = [list(s) for s in history]
             self._epsilon_cache = None
 
-    def _step_mechanism(self) -> tuple[float, float]:
+    def _step_mechanism(self) -> tuple[float | None, float | None]:
         """``(nu, q)`` of the step being released (captured when the batch started)."""
-        return self._step_noise_multiplier, self._strategy.sample_rate
+        return self._step_noise_multiplier, self._training.sample_rate
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_noise_multiplier(self, sample_rate: float) -> float | None:
+        """On a resume with the checkpoint's budget and sample rate, the checkpoint's ``nu`` (the uninterrupted
+        run's plan); otherwise ``None`` (after saying which settings changed): the noise is calibrated anew."""
+        if self._restored is None:
+            return None
+        saved, mine = self._restored["config"], self._config(sample_rate)
+        changed = planning.changed_plan_settings(saved, mine)
+        if not changed:
+            return saved["noise_multiplier"]
+        rank_zero_info(
+            f"{type(self).__name__}: resumed with other settings ("
+            + ", ".join(f"{key} {saved.get(key)!r} -> {mine[key]!r}" for key in changed)
+            + f"); the composition continues over the {self.accountant.steps} steps taken, and the noise is "
+            "calibrated anew for the steps the trainer still plans"
+        )
+        return None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # One key for every DP callback and every setting: a resume with another target, delta or method still
+        # finds the checkpoint's privacy state (Lightning would skip a state saved under another key, and with it
+        # the history of the steps taken).
+        return "lightning_oso.DPCallback"
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the settings, the accountant's history, the rule's state (``C_t``, ...), and where
+        the run's ledger is. No seed and no generator state: a resume draws its streams anew from the callback's
+        seed (with a fresh nonce unless ``deterministic_resume``)."""
+        if self.rule is None:
+            return {}
+        return {
+            "config": self._config(self._training.sample_rate),
+            "accountant": self.accountant.state_dict(),
+            "rule": self.rule.state_dict(),
+            "ledger": {"run": self._run_id, "path": None if self._ledger_file is None else str(self._ledger_file.path)},
+            "sessions": self._sessions,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a checkpoint, in one place: the history is taken over at once, whatever this callback's targets
+        (so even a finished checkpoint reports what it spent); the steps its ledger holds beyond it are charged
+        when the fit starts (``on_fit_start``); the rule's state is loaded when training starts."""
+        if not state_dict:
+            return
+        method = state_dict["config"]["method"]
+        if method != type(self).__name__:
+            raise PrivacyConfigurationError(
+                f"the checkpoint was trained with {method}, this run uses {type(self).__name__}: resume with {method} "
+                "(its clipping rule's state is in the checkpoint); the privacy history would carry over, but not C_t"
+            )
+        self.accountant.history = [list(s) for s in state_dict["accountant"]["history"]]
+        self._epsilon_cache = None
+        self._run_id = state_dict["ledger"]["run"]
+        self._checkpoint_ledger = state_dict["ledger"]["path"]
+        self._sessions = state_dict["sessions"]
+        self._restored = dict(state_dict)

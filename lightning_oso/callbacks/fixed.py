@@ -1,29 +1,29 @@
-"""FixedThresholdDP: DP-SGD with a fixed clipping threshold, also DPAdam and DPAdamWOSM (spec sections 2, 4)."""
+"""FixedThresholdDP: DP-SGD with a fixed clipping threshold, also DPAdam and DPAdamWOSM (docs/algorithms.md,
+"Fixed-threshold clipping", "DPAdam and DPAdamWOSM")."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import Unpack
 
-from lightning_oso.accounting import PrivacyAccountant
-from lightning_oso.callbacks._docs import _document_shared_args
+from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
 from lightning_oso.clipping import ClippingRule, FixedThresholdClipping
 from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.validation import check_number
+from lightning_oso.validation import check_positive
 
 
-@_document_shared_args
+@_document_shared_args()
 class FixedThresholdDP(DPCallback):
-    r"""Train with fixed-threshold DP-SGD (Abadi et al. 2016; spec section 2): every per-sample gradient is clipped
-    to norm ``clip`` and the sum gets Gaussian noise ``N(0, (clip nu)^2 I)``.
+    r"""Train with fixed-threshold DP-SGD (Abadi et al. 2016; docs/algorithms.md, "Fixed-threshold clipping"):
+    every per-sample gradient is clipped to norm ``clip`` and the sum gets Gaussian noise ``N(0, (clip nu)^2 I)``.
 
     Any torch optimizer post-processes the sanitised gradient, so this is also DPAdam (``torch.optim.Adam``) and,
-    with :class:`~lightning_oso.DPAdamWOSM`, DPAdamWOSM (spec section 4): its ``gradient_noise_std`` is set here to
-    ``nu * clip / B`` when training starts, unless given.
+    with :class:`~lightning_oso.DPAdamWOSM`, DPAdamWOSM (docs/algorithms.md, "DPAdam and DPAdamWOSM"): its
+    ``gradient_noise_std`` is set here to ``nu * clip / B`` when training starts, unless given.
 
     Args:
         {shared}
@@ -32,10 +32,14 @@ class FixedThresholdDP(DPCallback):
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts.
 
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[FixedThresholdDP(target_epsilon=3.0, clip=1.0)])
-        trainer.fit(model, datamodule)  # SGD, Adam, DPAdamWOSM, ...
+    Example:
+        >>> import lightning.pytorch as L
+        >>> from lightning_oso import FixedThresholdDP
+        >>> dp = FixedThresholdDP(target_epsilon=3.0, clip=1.0)
+        >>> dp.clip, dp.target_delta
+        (1.0, 1e-05)
+        >>> trainer = L.Trainer(max_epochs=10, callbacks=[dp], logger=False)
+        >>> # trainer.fit(model, datamodule): SGD, Adam, DPAdamWOSM, ...
     """
 
     method = "FixedThreshold"
@@ -43,32 +47,13 @@ class FixedThresholdDP(DPCallback):
     def __init__(
         self,
         target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
+        target_delta: float = DEFAULT_TARGET_DELTA,
+        *,
         clip: float | None = None,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | bool | None = None,
-        deterministic_resume: bool = False,
+        **kwargs: Unpack[DPArguments],
     ) -> None:
-        super().__init__(
-            target_epsilon,
-            target_delta,
-            noise_multiplier,
-            accountant,
-            loss_reduction,
-            seed,
-            log_nonprivate_diagnostics,
-            grad_sample_mode,
-            secure_rng,
-            ledger_path,
-            deterministic_resume,
-        )
-        self._clip = check_number("clip", clip, positive=True)
+        super().__init__(target_epsilon, target_delta, **kwargs)
+        self._clip = check_positive("clip", clip)
 
     @property
     def initial_clip(self) -> float:
@@ -80,7 +65,7 @@ class FixedThresholdDP(DPCallback):
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
         if isinstance(optimizer, DPAdamWOSM):
             # Theorem 3: the per-coordinate std of the noise in the averaged gradient, nu C / B
-            noise_std = rule.gradient_noise_multiplier * self._clip / self._strategy.expected_batch_size
+            noise_std = rule.gradient_noise_multiplier * self._clip / self._sampling()[2]
             given = {group["gradient_noise_std"] for group in optimizer.param_groups} - {None}
             if not given:
                 optimizer.set_gradient_noise_std(noise_std)

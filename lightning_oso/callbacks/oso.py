@@ -1,24 +1,30 @@
-"""OSODP: OSO-DPSGD, the clipping threshold and learning rate learned online (spec section 1)."""
+"""OSODP: OSO-DPSGD, the clipping threshold and learning rate learned online (docs/algorithms.md, "OSO-DPSGD")."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+from typing_extensions import Unpack
 
-from lightning_oso.accounting import DEFAULT_DIRECTION_NOISE_RATIO, PrivacyAccountant
-from lightning_oso.callbacks._docs import _document_shared_args
+from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
-from lightning_oso.clipping import OSOClipping
-from lightning_oso.validation import PrivacyConfigurationError, check_number
+from lightning_oso.clipping import (
+    DEFAULT_DIRECTION_NOISE_RATIO,
+    OSO_CLIP_LR,
+    OSO_INITIAL_CLIP,
+    OSO_LR_LR,
+    OSOClipping,
+)
+from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.validation import check_number, check_open_interval, check_positive
 
 
-@_document_shared_args
+@_document_shared_args()
 class OSODP(DPCallback):
     r"""Train with OSO-DPSGD: differentially private SGD whose clipping threshold ``C_t`` and learning rate
     ``rho_t`` are learned online from sanitised gradients (Galli et al., "Online Sensitivity Optimization in
-    Differentially Private Learning"; spec ``algorithms.md`` section 1).
+    Differentially Private Learning"; docs/algorithms.md, "OSO-DPSGD").
 
     Everything of :class:`DPCallback` (Poisson sampling, accounting, budget stop, logging, resume) plus the OSO
     rule: a second, direction query splits the noise by Proposition 1 (``dp/direction_noise_multiplier`` is
@@ -35,13 +41,14 @@ class OSODP(DPCallback):
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts for
             a model, optimizer or trainer setting that cannot be made private: the message names the fix.
 
-    Example::
-
-        import lightning.pytorch as L
-        from lightning_oso import OSODP
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[OSODP(target_epsilon=3.0, target_delta=1e-5)])
-        trainer.fit(model, datamodule)  # any LightningModule whose optimizer is torch.optim.SGD
+    Example:
+        >>> import lightning.pytorch as L
+        >>> from lightning_oso import OSODP
+        >>> dp = OSODP(target_epsilon=3.0, target_delta=1e-5)
+        >>> dp.clip, dp.clip_lr, dp.noise_multiplier  # C_0 and rho_c; nu is calibrated when training starts
+        (0.1, 0.0025, None)
+        >>> trainer = L.Trainer(max_epochs=10, callbacks=[dp], logger=False)
+        >>> # trainer.fit(model, datamodule): any LightningModule whose optimizer is torch.optim.SGD
     """
 
     method = "OSO"
@@ -50,46 +57,21 @@ class OSODP(DPCallback):
     def __init__(
         self,
         target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        initial_clip: float = 0.1,
-        clip_lr: float = 2.5e-3,
-        lr_lr: float = 2.5e-3,
+        target_delta: float = DEFAULT_TARGET_DELTA,
+        *,
+        initial_clip: float = OSO_INITIAL_CLIP,
+        clip_lr: float = OSO_CLIP_LR,
+        lr_lr: float = OSO_LR_LR,
         direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | bool | None = None,
-        deterministic_resume: bool = False,
+        **kwargs: Unpack[DPArguments],
     ) -> None:
-        super().__init__(
-            target_epsilon,
-            target_delta,
-            noise_multiplier,
-            accountant,
-            loss_reduction,
-            seed,
-            log_nonprivate_diagnostics,
-            grad_sample_mode,
-            secure_rng,
-            ledger_path,
-            deterministic_resume,
-        )
-        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
+        super().__init__(target_epsilon, target_delta, **kwargs)
+        self._initial_clip = check_positive("initial_clip", initial_clip)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.lr_lr = check_number("lr_lr", lr_lr)
-        if (
-            isinstance(direction_noise_ratio, bool)
-            or not isinstance(direction_noise_ratio, (int, float))
-            or not (direction_noise_ratio > 1 and math.isfinite(direction_noise_ratio))
-        ):
-            raise PrivacyConfigurationError(
-                f"direction_noise_ratio (nu_q / nu) must be a finite number > 1, got {direction_noise_ratio!r}"
-            )
-        self.direction_noise_ratio = float(direction_noise_ratio)
+        self.direction_noise_ratio = check_open_interval(
+            "direction_noise_ratio", direction_noise_ratio, 1, math.inf, hint=", the ratio nu_q / nu"
+        )
 
     @property
     def initial_clip(self) -> float:
@@ -98,7 +80,7 @@ class OSODP(DPCallback):
     @property
     def direction_noise_multiplier(self) -> float | None:
         """``nu_q``: noise of the direction sum (sensitivity 1)."""
-        return self.rule.direction_noise_multiplier if self.rule is not None else None
+        return self.rule.direction_noise_multiplier if isinstance(self.rule, OSOClipping) else None
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> OSOClipping:
         return OSOClipping(noise_multiplier, self._initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)

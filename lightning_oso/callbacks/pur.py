@@ -1,54 +1,57 @@
-"""PURDP: full-batch noisy gradient descent with a PUR noise schedule (spec section 6)."""
+"""PURDP: full-batch noisy gradient descent with a PUR noise schedule (docs/algorithms.md, "PUR schedules")."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import Unpack
 
 from lightning_oso import planning
-from lightning_oso.accounting import PrivacyAccountant
+from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, RunArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
 from lightning_oso.clipping import ClippingRule, ScheduledNoiseClipping
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.schedules import PURSchedule, gaussian_multiplier
-from lightning_oso.validation import PrivacyConfigurationError, check_number
+from lightning_oso.validation import check_instance, check_positive
 
 
+@_document_shared_args(RunArguments, documented_here=("accountant",))
 class PURDP(DPCallback):
-    r"""Full-batch noisy gradient descent with a PUR noise schedule (Fay et al.; spec section 6): step ``t`` adds
-    ``N(0, sigma_t^2 I)`` to the mean gradient with the data-independent ``sigma_t`` of Proposition 3, and the
-    step size is ``1/(2M)``. The budget decides the number of steps: training stops before the step that would
-    push epsilon over ``target_epsilon``.
+    r"""Full-batch noisy gradient descent with a PUR noise schedule (Fay et al.; docs/algorithms.md, "PUR
+    schedules"): step ``t`` adds ``N(0, sigma_t^2 I)`` to the mean gradient with the data-independent ``sigma_t``
+    of Proposition 3, and the step size is ``1/(2M)``. The budget decides the number of steps: training stops
+    before the step that would push epsilon over ``target_epsilon``.
 
     Every batch is the whole training set (build the loader with ``batch_size >= len(dataset)``). Per-example
     gradients are clipped at ``lipschitz`` (``L``): under the schedule's assumption that the loss is
     ``L``-Lipschitz nothing is clipped; where it is not, the clipping keeps the sensitivity ``2L/N``. Epsilon is
-    reported under replace-one adjacency, as in the paper (it also bounds add/remove). ``dp/noise_std``
+    reported under replace-one adjacency, as in the paper (it also bounds add/remove; the paper reports
+    ``delta = 1/N``). ``dp/noise_std``
     (``sigma_t``) is logged every step, with ``dp/epsilon``.
 
     Args:
         schedule: a :class:`~lightning_oso.schedules.PURSchedule` (e.g. ``schedules.logistic_schedule(...)``).
         lipschitz: ``L``, the per-example Lipschitz constant of the loss (``schedules.logistic_regression_constants``
             computes it for regularised logistic regression).
-        target_epsilon, target_delta: the budget (the paper reports ``delta = 1/N``).
+        {shared}
         accountant: ``"prv"`` (default): the exact composition of the steps' Gaussian mechanisms (one Gaussian,
             mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the paper's zCDP accounting (looser); or a
             :class:`~lightning_oso.PrivacyAccountant` to continue.
-        loss_reduction, seed, log_nonprivate_diagnostics, grad_sample_mode, secure_rng, ledger_path,
-            deterministic_resume: as for :class:`DPCallback`.
 
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument; when training starts, for a batch
             smaller than the dataset, or an optimizer other than ``torch.optim.SGD`` without momentum.
 
-    Example::
-
-        constants = schedules.logistic_regression_constants(max_norm=1.0, regularisation=0.1)
-        schedule = schedules.logistic_schedule(constants, dimension=d)
-        dp = PURDP(schedule, lipschitz=constants.lipschitz, target_epsilon=1.0, target_delta=1 / N)
-        L.Trainer(max_epochs=100_000, callbacks=[dp]).fit(model, DataLoader(data, batch_size=N))
+    Example:
+        >>> from lightning_oso import PURDP, schedules
+        >>> constants = schedules.logistic_regression_constants(max_norm=1.0, regularisation=0.1)
+        >>> schedule = schedules.logistic_schedule(constants, dimension=4)
+        >>> dp = PURDP(schedule, lipschitz=constants.lipschitz, target_epsilon=1.0, target_delta=1 / 1000)
+        >>> dp.noise_std == schedule.noise_std(1)  # sigma_1, before training
+        True
+        >>> # L.Trainer(max_epochs=100_000, callbacks=[dp]).fit(model, DataLoader(data, batch_size=1000))
     """
 
     method = "PUR"
@@ -59,35 +62,12 @@ class PURDP(DPCallback):
         schedule: PURSchedule,
         lipschitz: float,
         target_epsilon: float,
-        target_delta: float = 1e-5,
-        accountant: str | PrivacyAccountant = "prv",
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | bool | None = None,
-        deterministic_resume: bool = False,
+        target_delta: float = DEFAULT_TARGET_DELTA,
+        **kwargs: Unpack[RunArguments],
     ) -> None:
-        super().__init__(
-            target_epsilon,
-            target_delta,
-            None,
-            accountant,
-            loss_reduction,
-            seed,
-            log_nonprivate_diagnostics,
-            grad_sample_mode,
-            secure_rng,
-            ledger_path,
-            deterministic_resume,
-        )
-        if not isinstance(schedule, PURSchedule):
-            raise PrivacyConfigurationError(
-                f"schedule must be a lightning_oso.schedules.PURSchedule, got {type(schedule).__name__}"
-            )
-        self.schedule = schedule
-        self.lipschitz = check_number("lipschitz", lipschitz, positive=True)
+        super().__init__(target_epsilon, target_delta, noise_multiplier=None, **kwargs)  # the schedule sets nu
+        self.schedule = check_instance("schedule", schedule, PURSchedule, "lightning_oso.schedules.PURSchedule")
+        self.lipschitz = check_positive("lipschitz", lipschitz)
 
     @property
     def initial_clip(self) -> float:
@@ -96,7 +76,7 @@ class PURDP(DPCallback):
     @property
     def noise_std(self) -> float:
         """``sigma_t`` of the next step."""
-        return self.rule.noise_std if self.rule is not None else self.schedule.noise_std(1)
+        return self.rule.noise_std if isinstance(self.rule, ScheduledNoiseClipping) else self.schedule.noise_std(1)
 
     @property
     def _first_step(self) -> int:
@@ -114,7 +94,7 @@ class PURDP(DPCallback):
                 f"PURDP runs full-batch gradient descent, but the training loader samples at rate {sample_rate:.4g}: "
                 "build it with DataLoader(dataset, batch_size=len(dataset))"
             )
-        first, n = self._first_step, self._strategy.num_samples
+        first, n = self._first_step, self._sampling()[1]
 
         def multiplier_at(t: int) -> float:
             return gaussian_multiplier(self.schedule.noise_std(t), self.lipschitz, n)
@@ -131,9 +111,7 @@ class PURDP(DPCallback):
         return multiplier_at(first), allowed
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
-        return ScheduledNoiseClipping(
-            self.schedule.noise_std, self.lipschitz, self._strategy.num_samples, self._first_step
-        )
+        return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._sampling()[1], self._first_step)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):

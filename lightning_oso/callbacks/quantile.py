@@ -1,23 +1,29 @@
-"""FixedQuantileDP: quantile-based adaptive clipping (spec section 3)."""
+"""FixedQuantileDP: quantile-based adaptive clipping (docs/algorithms.md, "Quantile clipping")."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+from typing_extensions import Unpack
 
-from lightning_oso.accounting import PrivacyAccountant
-from lightning_oso.callbacks._docs import _document_shared_args
+from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
-from lightning_oso.clipping import FixedQuantileClipping
+from lightning_oso.clipping import (
+    QUANTILE_CLIP_LR,
+    QUANTILE_INITIAL_CLIP,
+    QUANTILE_TARGET,
+    FixedQuantileClipping,
+    default_count_noise_std,
+)
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.validation import PrivacyConfigurationError, check_number
+from lightning_oso.validation import check_number, check_open_interval, check_positive
 
 
-@_document_shared_args
+@_document_shared_args()
 class FixedQuantileDP(DPCallback):
-    r"""Train with quantile-based adaptive clipping (Andrew et al. 2021), as run in the OSO paper (spec section 3):
-    ``C_t`` follows the ``target_quantile`` of the per-sample gradient norms, learned from a noisy centred count.
+    r"""Train with quantile-based adaptive clipping (Andrew et al. 2021), as run in the OSO paper
+    (docs/algorithms.md, "Quantile clipping"): ``C_t`` follows the ``target_quantile`` of the per-sample gradient
+    norms, learned from a noisy centred count.
 
     Per step the count of unclipped samples is released with noise ``sigma_b`` (``count_noise_std``), and the
     clipped-gradient noise is raised to ``nu_g = (nu^-2 - (2 sigma_b)^-2)^-1/2`` so that both together cost one
@@ -37,10 +43,14 @@ class FixedQuantileDP(DPCallback):
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts (also
             when ``nu >= 2 sigma_b``: the count would need the whole budget).
 
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[FixedQuantileDP(target_epsilon=3.0, target_quantile=0.5)])
-        trainer.fit(model, datamodule)
+    Example:
+        >>> import lightning.pytorch as L
+        >>> from lightning_oso import FixedQuantileDP
+        >>> dp = FixedQuantileDP(target_epsilon=3.0, target_quantile=0.5)
+        >>> dp.clip, dp.clip_lr, dp.count_noise_std  # sigma_b is B / 20 once the expected batch size B is known
+        (0.1, 0.2, None)
+        >>> trainer = L.Trainer(max_epochs=10, callbacks=[dp], logger=False)
+        >>> # trainer.fit(model, datamodule): any optimizer except DPAdamWOSM
     """
 
     method = "FixedQuantile"
@@ -48,42 +58,20 @@ class FixedQuantileDP(DPCallback):
     def __init__(
         self,
         target_epsilon: float,
-        target_delta: float = 1e-5,
-        noise_multiplier: float | None = None,
-        accountant: str | PrivacyAccountant = "prv",
-        target_quantile: float = 0.5,
-        initial_clip: float = 0.1,
-        clip_lr: float = 0.2,
+        target_delta: float = DEFAULT_TARGET_DELTA,
+        *,
+        target_quantile: float = QUANTILE_TARGET,
+        initial_clip: float = QUANTILE_INITIAL_CLIP,
+        clip_lr: float = QUANTILE_CLIP_LR,
         count_noise_std: float | None = None,
-        loss_reduction: str = "mean",
-        seed: int | None = None,
-        log_nonprivate_diagnostics: bool = False,
-        grad_sample_mode: str = "book_keeping",
-        secure_rng: bool = False,
-        ledger_path: str | os.PathLike | bool | None = None,
-        deterministic_resume: bool = False,
+        **kwargs: Unpack[DPArguments],
     ) -> None:
-        super().__init__(
-            target_epsilon,
-            target_delta,
-            noise_multiplier,
-            accountant,
-            loss_reduction,
-            seed,
-            log_nonprivate_diagnostics,
-            grad_sample_mode,
-            secure_rng,
-            ledger_path,
-            deterministic_resume,
-        )
-        target_quantile = check_number("target_quantile", target_quantile, positive=True)
-        if not target_quantile < 1:
-            raise PrivacyConfigurationError(f"target_quantile must lie in (0, 1), got {target_quantile!r}")
-        self.target_quantile = target_quantile
-        self._initial_clip = check_number("initial_clip", initial_clip, positive=True)
+        super().__init__(target_epsilon, target_delta, **kwargs)
+        self.target_quantile = check_open_interval("target_quantile", target_quantile, 0, 1)
+        self._initial_clip = check_positive("initial_clip", initial_clip)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.requested_count_noise_std = (
-            None if count_noise_std is None else check_number("count_noise_std", count_noise_std, positive=True)
+            None if count_noise_std is None else check_positive("count_noise_std", count_noise_std)
         )
 
     @property
@@ -93,10 +81,14 @@ class FixedQuantileDP(DPCallback):
     @property
     def count_noise_std(self) -> float | None:
         """``sigma_b``, the noise of the centred count (known once training starts, if not given)."""
-        return self.rule.count_noise_std if self.rule is not None else self.requested_count_noise_std
+        return (
+            self.rule.count_noise_std
+            if isinstance(self.rule, FixedQuantileClipping)
+            else self.requested_count_noise_std
+        )
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedQuantileClipping:
-        count_noise_std = self.requested_count_noise_std or expected_batch_size / 20.0
+        count_noise_std = self.requested_count_noise_std or default_count_noise_std(expected_batch_size)
         return FixedQuantileClipping(
             noise_multiplier, self.target_quantile, count_noise_std, self._initial_clip, self.clip_lr
         )

@@ -1,0 +1,135 @@
+"""The arguments every DP callback shares, written once: their types (:class:`DPArguments`, which a method's
+``__init__`` takes as ``**kwargs: Unpack[DPArguments]`` and forwards to :class:`~lightning_oso.DPCallback`, where
+their defaults are), the budget's default delta, the accountant check, and their documentation (one text, put into
+each callback's docstring by :func:`_document_shared_args`).
+
+A method's own arguments (``initial_clip``, ``clip``, ...) and their defaults are the method's and its clipping
+rule's (``lightning_oso.clipping``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Literal, TypedDict, TypeVar
+
+import numpy as np
+
+from lightning_oso.accounting import PrivacyAccountant
+from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.validation import check_choice
+
+#: How ``training_step``'s loss reduces over the batch.
+LossReduction = Literal["mean", "sum"]
+#: How the per-sample gradient norms and sums are computed (``strategy.GRAD_SAMPLE_MODES``).
+GradSampleMode = Literal["book_keeping", "hooks"]
+#: The accountants by name (``accounting.ACCOUNTANTS`` and, for full-batch schedules, ``FULL_BATCH_ACCOUNTANTS``).
+AccountantName = Literal["prv", "rdp", "zcdp"]
+#: ``target_delta`` when none is given.
+DEFAULT_TARGET_DELTA = 1e-5
+
+
+class RunArguments(TypedDict, total=False):
+    """The keyword arguments every DP callback takes, :class:`~lightning_oso.PURDP` included (its noise follows a
+    schedule, so it takes no ``noise_multiplier``). Documented, with their defaults, on
+    :class:`~lightning_oso.DPCallback`."""
+
+    accountant: AccountantName | PrivacyAccountant
+    loss_reduction: LossReduction
+    seed: int | np.random.SeedSequence | None
+    log_nonprivate_diagnostics: bool
+    grad_sample_mode: GradSampleMode
+    secure_rng: bool
+    ledger_path: str | os.PathLike | Literal[False] | None
+    deterministic_resume: bool
+
+
+class DPArguments(RunArguments, total=False):
+    """The keyword arguments of the Poisson-sampled methods (:class:`~lightning_oso.OSODP`,
+    :class:`~lightning_oso.FixedThresholdDP`, :class:`~lightning_oso.FixedQuantileDP`): those of every DP callback
+    and a fixed ``noise_multiplier``. A wrapper of these callbacks can type its own ``**kwargs`` with it::
+
+        def make_callback(epsilon: float, **dp: Unpack[DPArguments]) -> OSODP:
+            return OSODP(epsilon, **dp)
+    """
+
+    noise_multiplier: float | None
+
+
+def check_accountant(value: Any, choices: Iterable[str], delta: float) -> PrivacyAccountant:
+    """The run's accountant: one of ``choices`` by name, made here for ``delta``, or a :class:`PrivacyAccountant`
+    whose history the run continues, which must report epsilon at the same ``delta``."""
+    if not isinstance(value, PrivacyAccountant):
+        return PrivacyAccountant(delta, check_choice("accountant", value, choices, alternative="a PrivacyAccountant"))
+    if not math.isclose(value.delta, delta, rel_tol=1e-12):
+        raise PrivacyConfigurationError(
+            f"the accountant passed reports epsilon at delta={value.delta}, but target_delta={delta}: pass the same "
+            "delta to both"
+        )
+    return value
+
+
+# One entry per argument, in the order of DPCallback's signature; continuation lines indented for an Args: section.
+_SHARED_ARGS_DOC = {
+    "target_epsilon": "target_epsilon: the privacy budget epsilon; training never spends more.",
+    "target_delta": """target_delta: the delta of the guarantee (default ``1e-5``); should be well below
+            ``1/len(dataset)`` (a warning says so).""",
+    "noise_multiplier": """noise_multiplier: ``nu``, per step. ``None`` (default): calibrate the smallest ``nu`` whose
+            epsilon after the planned number of steps (``max_epochs`` or ``max_steps``) meets the budget. A number:
+            use it and train until the budget is spent.""",
+    "accountant": """accountant: ``"prv"`` (default; PRV accountant, with RDP as a fallback where it fails),
+            ``"rdp"``, or a :class:`~lightning_oso.PrivacyAccountant` whose history this run continues (e.g. the
+            earlier runs of a grid search): the budget then covers that history and this run together.""",
+    "loss_reduction": """loss_reduction: how ``training_step``'s loss reduces over the batch: ``"mean"`` (default) or
+            ``"sum"``.""",
+    "seed": """seed: the root of the run's randomness (an int, or a numpy ``SeedSequence``): the Poisson sampling and
+            the noise of every step come from streams derived from it (per purpose, process and step). ``None``
+            (default): 128 bits from the operating system, so no two runs share noise (``seed_everything`` does
+            not make the noise reproducible: pass ``seed``). A seed names a run: two runs given the same seed draw
+            the same noise and batches, and releasing both would cancel the noise: reuse a seed only to reproduce
+            a run, never for another run on the same data (searches give each run its own streams).""",
+    "log_nonprivate_diagnostics": """log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``,
+            ``nonprivate/grad_norm_median``, ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are
+            computed from raw per-sample gradients and are **not** differentially private; off by default.""",
+    "grad_sample_mode": """grad_sample_mode: how the per-sample gradient norms and sums are computed.
+            ``"book_keeping"`` (default): ghost norms and book-keeping sums from each layer's input and output
+            gradient, per-sample gradients instantiated only where that is cheaper (fast, little memory; see
+            ``lightning_oso.book_keeping``). ``"hooks"``: Opacus' hooks instantiate every per-sample gradient (the
+            reference path). Same results up to float rounding, same privacy.""",
+    "secure_rng": """secure_rng: draw the Poisson sampling and the Gaussian noise from the operating system's
+            cryptographically secure generator (``os.urandom``) instead of torch's seeded ones, so that nobody who
+            learns a seed or a generator state can predict (and subtract) the noise. Not reproducible, cannot be
+            combined with ``seed``; noise draws about 10x slower on CPU (``benchmarks/noise_generation.py``).""",
+    "ledger_path": """ledger_path: where the write-ahead privacy ledger goes: one line per executed step, written
+            before the step's output can leave the process, so a resume charges every step ever executed, also
+            those after the last checkpoint of a run that crashed. ``None`` (default):
+            ``<default_root_dir>/privacy_ledger/<run id>.jsonl``; a path: that file (a resume from a moved
+            checkpoint must point to the run's ledger); ``False``: no ledger (a resume then charges only what the
+            checkpoint holds; warned).""",
+    "deterministic_resume": """deterministic_resume: resume with the randomness of the uninterrupted run (same seed,
+            streams keyed on the step alone), so a resumed run repeats it bit for bit. Off by default: a resume (and
+            a second ``fit``) then draws fresh streams, keyed on a nonce from the operating system. **Risk:** with
+            it on, two runs resumed from one checkpoint (branches, e.g. with another learning rate) at the same
+            time, or without a ledger, draw the *same* noise and batches, and releasing both cancels the noise
+            (branches run one after the other differ: the second's step counter starts after the first's ledger
+            lines).""",
+}
+
+_Class = TypeVar("_Class", bound=type)
+
+
+def _document_shared_args(
+    arguments: type = DPArguments, documented_here: Collection[str] = ()
+) -> Callable[[_Class], _Class]:
+    """Put the text of the shared arguments a callback takes (the budget and the keys of ``arguments``), except
+    those its docstring documents itself (``documented_here``), in place of ``{shared}`` in its docstring."""
+    names = {"target_epsilon", "target_delta", *arguments.__annotations__} - set(documented_here)
+    text = "\n        ".join(entry for name, entry in _SHARED_ARGS_DOC.items() if name in names)
+
+    def document(cls: _Class) -> _Class:
+        if cls.__doc__:  # None under python -OO
+            cls.__doc__ = cls.__doc__.replace("{shared}", text)
+        return cls
+
+    return document
