@@ -1,24 +1,24 @@
 """A griffe extension for the API reference: the docstrings as a reader of ``help()`` sees them, in Markdown.
 
 - The DP callbacks' docstrings hold a ``{shared}`` placeholder that
-  ``lightning_oso.callbacks._docs._document_shared_args`` fills when the class is defined (one text, every
-  callback). griffe reads the source without importing it, so it would see the placeholder; it is filled here the
-  same way, from the same text.
+  ``lightning_oso.callbacks.arguments._document_shared_args`` fills when the class is defined (one text per
+  argument, each callback the arguments it takes). griffe reads the source without importing it, so it would see
+  the placeholder; here such a docstring is replaced by the class's own ``__doc__`` after import, the text
+  ``help()`` shows.
 - Sphinx roles (``:class:`~lightning_oso.PrivacyAccountant```) mean nothing to Markdown; they become inline code
   (``PrivacyAccountant``: a ``~`` keeps the last name, as in Sphinx).
 """
 
 from __future__ import annotations
 
-import ast
+import importlib
+import inspect
 import re
-import textwrap
 from collections.abc import Iterator
 
 import griffe
 
 PLACEHOLDER = "{shared}"
-SHARED_ARGS = "callbacks._docs._SHARED_ARGS_DOC"  # inside the lightning_oso package
 SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|const):`(~?)([^`]+)`")
 
 
@@ -28,28 +28,18 @@ class LightningOsoDocstrings(griffe.Extension):
             return
         for obj in _objects(pkg):
             if obj.docstring is not None:
-                text = _fill_shared(obj.docstring.value, pkg)
-                obj.docstring.value = SPHINX_ROLE.sub(_inline_code, text)
+                obj.docstring.value = SPHINX_ROLE.sub(_inline_code, _fill_shared(obj))
 
 
-def _fill_shared(doc: str, pkg: griffe.Module) -> str:
-    if PLACEHOLDER not in doc:
+def _fill_shared(obj: griffe.Object) -> str:
+    doc = obj.docstring.value if obj.docstring is not None else ""
+    if not obj.is_class or PLACEHOLDER not in doc:  # only the callbacks' class docstrings are filled
         return doc
-    try:
-        shared = ast.literal_eval(str(pkg.get_member(SHARED_ARGS).value))
-    except (KeyError, ValueError, SyntaxError) as err:
-        raise RuntimeError(
-            f"a docstring holds {PLACEHOLDER} but lightning_oso.{SHARED_ARGS} is no string constant: "
-            "point SHARED_ARGS in docs/griffe_docstrings.py at the shared arguments' text"
-        ) from err
-    first, *rest = shared.splitlines()
-    body = textwrap.dedent("\n".join(rest))  # in the source, the text is indented for a class docstring's "Args:"
-    lines = doc.splitlines()
-    for i, line in enumerate(lines):
-        if line.strip() == PLACEHOLDER:
-            indent = line[: len(line) - len(line.lstrip())]
-            lines[i] = indent + first + "\n" + textwrap.indent(body, indent)
-    return "\n".join(lines)
+    module, _, name = obj.path.rpartition(".")
+    runtime = inspect.getdoc(getattr(importlib.import_module(module), name))
+    if runtime is None or PLACEHOLDER in runtime:
+        raise RuntimeError(f"{obj.path}'s docstring holds {PLACEHOLDER}, but its runtime __doc__ does not fill it")
+    return runtime
 
 
 def _inline_code(match: re.Match[str]) -> str:

@@ -19,7 +19,7 @@ single Gaussian mechanism that its queries, released together, amount to (docs/a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -298,7 +298,9 @@ class ScheduledNoiseClipping(ClippingRule):
 
     _mechanism_keys = ("lipschitz", "num_samples")
 
-    def __init__(self, schedule, lipschitz: float, num_samples: int, first_step: int = 1) -> None:
+    def __init__(
+        self, schedule: Callable[[int], float], lipschitz: float, num_samples: int, first_step: int = 1
+    ) -> None:
         self.schedule, self.lipschitz, self.num_samples = schedule, float(lipschitz), int(num_samples)
         self.t = first_step
         super().__init__(self._multiplier(first_step), lipschitz)

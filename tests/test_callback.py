@@ -2,6 +2,7 @@
 
 import glob
 import inspect
+import re
 from typing import get_args
 
 import pytest
@@ -223,6 +224,11 @@ def test_every_argument_is_documented(method):
     params = inspect.signature(method).parameters
     shared = RunArguments if method is PURDP else DPArguments
     names = [name for name in params if name != "kwargs"] + list(shared.__annotations__)
+    doc = method.__doc__
+    args, _, keyword_args = doc.partition("\n    Keyword Args:")
     for name in names:
-        assert f"\n        {name}: " in method.__doc__, name
-    assert "{shared}" not in method.__doc__
+        if name in params:  # named in the signature: in Args
+            assert f"\n        {name}: " in args.partition("\n    Raises:")[0], name
+        else:  # through **kwargs: in Keyword Args, with its type (no signature shows it)
+            assert re.search(rf"\n        {name} \([^)]+\): ", keyword_args), name
+    assert "{shared}" not in doc and "{keyword_args}" not in doc

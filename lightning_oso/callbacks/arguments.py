@@ -9,6 +9,7 @@ rule's (``lightning_oso.clipping``).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Collection, Iterable
@@ -123,13 +124,24 @@ def _document_shared_args(
     arguments: type = DPArguments, documented_here: Collection[str] = ()
 ) -> Callable[[_Class], _Class]:
     """Put the text of the shared arguments a callback takes (the budget and the keys of ``arguments``), except
-    those its docstring documents itself (``documented_here``), in place of ``{shared}`` in its docstring."""
+    those its docstring documents itself (``documented_here``), into its docstring: those its ``__init__`` names
+    in place of ``{shared}`` (in ``Args:``), those it takes through ``**kwargs`` in place of ``{keyword_args}`` (in
+    ``Keyword Args:``, with their types, since no signature shows them)."""
     names = {"target_epsilon", "target_delta", *arguments.__annotations__} - set(documented_here)
-    text = "\n        ".join(entry for name, entry in _SHARED_ARGS_DOC.items() if name in names)
+    types = {name: getattr(kind, "__forward_arg__", kind) for name, kind in arguments.__annotations__.items()}
 
     def document(cls: _Class) -> _Class:
+        explicit = inspect.signature(cls.__init__).parameters
+        named = [entry for name, entry in _SHARED_ARGS_DOC.items() if name in names and name in explicit]
+        keyword = [
+            entry.replace(f"{name}:", f"{name} ({types[name]}):", 1)
+            for name, entry in _SHARED_ARGS_DOC.items()
+            if name in names and name not in explicit
+        ]
         if cls.__doc__:  # None under python -OO
-            cls.__doc__ = cls.__doc__.replace("{shared}", text)
+            cls.__doc__ = cls.__doc__.replace("{shared}", "\n        ".join(named)).replace(
+                "{keyword_args}", "\n        ".join(keyword)
+            )
         return cls
 
     return document

@@ -29,6 +29,9 @@ class FixedThresholdDP(DPCallback):
         {shared}
         clip: the clipping threshold ``C`` (required; no default fits every model).
 
+    Keyword Args:
+        {keyword_args}
+
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts.
 

@@ -37,6 +37,9 @@ class OSODP(DPCallback):
         lr_lr: ``rho_r``, the step of the exponential update of the learning rate (paper default 2.5e-3).
         direction_noise_ratio: ``nu_q / nu`` (Proposition 1; default 7.124, i.e. ``nu_g = 1.01 nu``).
 
+    Keyword Args:
+        {keyword_args}
+
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts for
             a model, optimizer or trainer setting that cannot be made private: the message names the fix.

@@ -36,9 +36,12 @@ class PURDP(DPCallback):
         lipschitz: ``L``, the per-example Lipschitz constant of the loss (``schedules.logistic_regression_constants``
             computes it for regularised logistic regression).
         {shared}
-        accountant: ``"prv"`` (default): the exact composition of the steps' Gaussian mechanisms (one Gaussian,
-            mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the paper's zCDP accounting (looser); or a
-            :class:`~lightning_oso.PrivacyAccountant` to continue.
+
+    Keyword Args:
+        {keyword_args}
+        accountant (AccountantName | PrivacyAccountant): ``"prv"`` (default): the exact composition of the
+            steps' Gaussian mechanisms (one Gaussian, mu-GDP, evaluated by the PRV accountant); ``"zcdp"``: the
+            paper's zCDP accounting (looser); or a :class:`~lightning_oso.PrivacyAccountant` to continue.
 
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument; when training starts, for a batch

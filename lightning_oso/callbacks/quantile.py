@@ -39,6 +39,9 @@ class FixedQuantileDP(DPCallback):
         count_noise_std: ``sigma_b``; ``None`` (default): ``B / 20`` with ``B`` the expected batch size, as in the
             OSO paper's runs. Must exceed ``nu / 2``.
 
+    Keyword Args:
+        {keyword_args}
+
     Raises:
         PrivacyConfigurationError: (a ``ValueError``) for an invalid argument, here or when training starts (also
             when ``nu >= 2 sigma_b``: the count would need the whole budget).
