@@ -2,26 +2,22 @@
 
 - :mod:`~lightning_oso.search.harness`: what every search shares (the budget's checks, a seed per run spawned from
   the search's seed, running ``train_fn``, charging the run to the search's accounting) and the ``train_fn`` contract;
-- :mod:`~lightning_oso.search.grid`: the honest grid search (composition of all runs, or Liu-Talwar random stopping;
-  noisy selection);
+- :mod:`~lightning_oso.search.grid`: the honest grid search (composition of all runs, or Liu-Talwar random stopping);
+- :mod:`~lightning_oso.search.selection`: the maths of random stopping and of noisy selection;
+- :mod:`~lightning_oso.search.result`: what a grid search returns;
 - :mod:`~lightning_oso.search.linear_scaling`: the linear scaling rule (two sweeps, a fitted line, one final run).
 """
 
-from lightning_oso.search.grid import (
-    ACCOUNTINGS,
-    SELECTIONS,
-    HonestGridSearch,
-    RunRecord,
-    SearchResult,
-    grid,
-    log_grid,
+from lightning_oso.search.grid import ACCOUNTINGS, SELECTIONS, HonestGridSearch, grid, log_grid
+from lightning_oso.search.harness import PrivateSearch, RunOutcome, TrainFn
+from lightning_oso.search.linear_scaling import LinearScalingResult, LinearScalingSearch, Trial, decompose, fit_line
+from lightning_oso.search.result import RunRecord, SearchResult
+from lightning_oso.search.selection import (
     max_random_stopping_draws,
     noisy_argmax,
     random_stopping_guarantee,
     random_stopping_run_budget,
 )
-from lightning_oso.search.harness import PrivateSearch, RunOutcome, TrainFn
-from lightning_oso.search.linear_scaling import LinearScalingResult, LinearScalingSearch, Trial, decompose, fit_line
 
 __all__ = [
     "ACCOUNTINGS",

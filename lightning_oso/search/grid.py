@@ -11,8 +11,8 @@ Two accountings:
   draws. Each run gets ``(eps_1, delta_1)`` with ``eps_f = 3 eps_1 + 3 sqrt(2 delta_1)`` and
   ``delta_f = sqrt(2 delta_1) Upsilon + delta_2``; the report shows the blow-up of that guarantee.
 
-Pure functions (:func:`random_stopping_guarantee`, :func:`random_stopping_run_budget`, :func:`noisy_argmax`) hold
-the maths; :class:`HonestGridSearch` runs the candidates on the search harness
+Pure functions in :mod:`~lightning_oso.search.selection` hold the maths of random stopping and noisy selection;
+:class:`HonestGridSearch` runs the candidates on the search harness
 (:class:`~lightning_oso.search.harness.PrivateSearch`: each run through the user's Lightning ``train_fn``) and keeps
 the ledgers.
 """
@@ -20,11 +20,9 @@ the ledgers.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +31,13 @@ import torch
 from lightning_oso.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn, format_hparams
+from lightning_oso.search.result import RunRecord, SearchResult
+from lightning_oso.search.selection import (
+    max_random_stopping_draws,
+    noisy_argmax,
+    random_stopping_guarantee,
+    random_stopping_run_budget,
+)
 from lightning_oso.validation import check_choice, check_int, check_number
 
 ACCOUNTINGS = ("composition", "random_stopping")
@@ -53,120 +58,6 @@ def grid(**axes: Sequence[Any]) -> list[dict[str, Any]]:
     """The Cartesian product of the axes as a list of candidate dicts: ``grid(lr=[.1, 1], clip=[1])``."""
     names = list(axes)
     return [dict(zip(names, values)) for values in itertools.product(*(axes[n] for n in names))]
-
-
-# ----------------------------------------------------------------------------------------------------- maths
-def random_stopping_guarantee(
-    run_epsilon: float, run_delta: float, stop_probability: float, delta_2: float
-) -> tuple[float, float]:
-    """Theorem 1 (Liu-Talwar Thm 3.4): if one candidate run is ``(eps_1, delta_1)``-DP, the random-stopping search
-    is ``(3 eps_1 + 3 sqrt(2 delta_1), sqrt(2 delta_1) Upsilon + delta_2)``-DP, ``Upsilon = log(1/delta_2)/gamma``."""
-    upsilon = max_random_stopping_draws(stop_probability, delta_2)
-    root = math.sqrt(2 * run_delta)
-    return 3 * run_epsilon + 3 * root, root * upsilon + delta_2
-
-
-def max_random_stopping_draws(stop_probability: float, delta_2: float) -> float:
-    """``Upsilon = log(1/delta_2) / gamma``: the hard cap on the number of draws."""
-    if not 0 < stop_probability <= 1:
-        raise ValueError(f"stop_probability (gamma) must lie in (0, 1], got {stop_probability}")
-    if not 0 < delta_2 < 1:
-        raise ValueError(f"delta_2 must lie in (0, 1), got {delta_2}")
-    return math.log(1 / delta_2) / stop_probability
-
-
-def random_stopping_run_budget(
-    target_epsilon: float, target_delta: float, stop_probability: float, delta_2: float
-) -> tuple[float, float]:
-    """Theorem 1 inverted: the ``(eps_1, delta_1)`` each run may spend so that the search meets
-    ``(target_epsilon, target_delta)``. ``delta_1 = ((delta_f - delta_2) / Upsilon)^2 / 2`` comes out tiny, and
-    with it ``eps_1`` per unit of noise grows: that is the blow-up of random stopping."""
-    if not delta_2 < target_delta:
-        raise ValueError(f"delta_2 ({delta_2}) must be below target_delta ({target_delta})")
-    upsilon = max_random_stopping_draws(stop_probability, delta_2)
-    run_delta = ((target_delta - delta_2) / upsilon) ** 2 / 2
-    run_epsilon = (target_epsilon - 3 * math.sqrt(2 * run_delta)) / 3
-    if run_epsilon <= 0:
-        raise ValueError(f"target_epsilon={target_epsilon} is too small for random stopping at this delta")
-    return run_epsilon, run_delta
-
-
-def noisy_argmax(scores: Sequence[float], epsilon: float, sensitivity: float, generator: torch.Generator) -> int:
-    """Report-noisy-max with Gumbel noise of scale ``2 sensitivity / epsilon``: the exponential mechanism
-    (McSherry-Talwar), ``epsilon``-DP with respect to the data the scores are computed on (the validation set)
-    when one record moves any score by at most ``sensitivity``. A NaN score never wins."""
-    values = torch.tensor([float(s) if math.isfinite(s) else -math.inf for s in scores], dtype=torch.float64)
-    uniform = torch.rand(len(values), generator=generator, dtype=torch.float64).clamp_min(1e-300)
-    gumbel = -torch.log(-torch.log(uniform))
-    return int(torch.argmax(values + gumbel * (2 * sensitivity / epsilon)))
-
-
-# ----------------------------------------------------------------------------------------------------- the search
-@dataclass
-class RunRecord:
-    """One training run of the search."""
-
-    candidate: dict
-    seed: int
-    score: float
-    steps: int
-    metrics: dict = field(default_factory=dict)  # whatever else train_fn returned (e.g. a test score)
-
-
-@dataclass
-class SearchResult:
-    """Scores, the winner and the privacy spent by a search; ``report()`` writes it for people, ``to_dict()`` for
-    machines."""
-
-    accounting: str
-    candidates: list[dict]
-    seeds: list[int]
-    mode: str
-    mean_scores: list[float]  # per candidate (NaN if never drawn)
-    std_scores: list[float]
-    winner_index: int
-    winner: dict
-    noise_multiplier: float
-    target_epsilon: float
-    target_delta: float
-    epsilon_spent: float  # of the whole search, at target_delta (one pass over the seeds, as charged)
-    runs: list[RunRecord] = field(default_factory=list)
-    selection: str = "best"
-    selection_epsilon: float | None = None
-    uncharged: list[str] = field(default_factory=list)
-    details: dict = field(default_factory=dict)
-
-    def report(self) -> str:
-        arrow = "higher" if self.mode == "max" else "lower"
-        lines = [
-            f"Honest search ({self.accounting}): {len(self.candidates)} candidates x {len(self.seeds)} seed(s); "
-            f"score: {arrow} is better",
-            "",
-            "| # | candidate | score (mean +- std over seeds) |",
-            "|---|---|---|",
-        ]
-        for i, (cand, mean, std) in enumerate(zip(self.candidates, self.mean_scores, self.std_scores)):
-            mark = " **winner**" if i == self.winner_index else ""
-            score = (
-                "not drawn" if math.isnan(mean) and self.accounting == "random_stopping" else f"{mean:.4f} +- {std:.4f}"
-            )
-            lines.append(f"| {i} | {format_hparams(cand)} | {score}{mark} |")
-        lines += [
-            "",
-            f"Winner: {format_hparams(self.winner)} ({self.selection} selection"
-            + (f", epsilon_select={self.selection_epsilon}" if self.selection == "noisy" else "")
-            + ")",
-            f"Privacy spent by the whole search: epsilon={self.epsilon_spent:.4f} (target {self.target_epsilon}) at "
-            f"delta={self.target_delta}; noise multiplier per step {self.noise_multiplier:.4f}",
-        ]
-        for key, value in self.details.items():
-            lines.append(f"  {key}: {value}")
-        lines.append("Not charged:")
-        lines += [f"  - {text}" for text in self.uncharged]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return json.loads(json.dumps(asdict(self), default=float))
 
 
 class HonestGridSearch(PrivateSearch):
