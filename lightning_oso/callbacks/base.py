@@ -27,7 +27,7 @@ from lightning_oso.callbacks._docs import _document_shared_args
 from lightning_oso.callbacks._session import LedgerSession
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.randomness import RunRandomness
-from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
+from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     PrivacyConfigurationError,
     check_budget_arguments,
