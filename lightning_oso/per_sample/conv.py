@@ -5,10 +5,12 @@ convolution (docs/algorithms.md, "Sensitivity of the fast path")."""
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.grad import conv2d_weight
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.linear import OuterProduct
@@ -16,7 +18,7 @@ from lightning_oso.per_sample.parts import Instantiated, accumulate, cat_positio
 from lightning_oso.per_sample.registry import register_fast_path
 
 
-def _plain(layer: nn.Module) -> bool:
+def _plain(layer: nn.Conv1d | nn.Conv2d) -> bool:
     """Grouped convolutions, other padding modes and string paddings (``"same"``) are left to the fallback."""
     return layer.groups == 1 and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
 
@@ -29,7 +31,7 @@ def conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tens
     one_d = isinstance(layer, nn.Conv1d)
     kernel = (1, *layer.kernel_size) if one_d else layer.kernel_size
     stride = (1, *layer.stride) if one_d else layer.stride
-    padding = (0, *layer.padding) if one_d else layer.padding
+    padding = cast(tuple[int, ...], (0, *layer.padding) if one_d else layer.padding)  # not a string: see _plain
     dilation = (1, *layer.dilation) if one_d else layer.dilation
     xs = [x[0].unsqueeze(2) if one_d else x[0] for x in inputs]
     gs = [g.unsqueeze(2) if one_d else g for g in backprops]
@@ -49,7 +51,7 @@ def conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tens
     # assumes a direct or GEMM-based kernel, whose entries are sums of products, as oneDNN's and cuDNN's usual ones
     # are: FFT/Winograd algorithms would be outside this model). R = sum_t ||patch_t|| ||b_t|| <= sqrt(k) ||x|| ||b||
     # (Cauchy-Schwarz; each input pixel lies in at most k = prod(kernel) patches), which needs no unfolding.
-    grads: dict[nn.Parameter, Tensor] = {}
+    grads: dict[Tensor, Tensor] = {}
     dtype, device = gs[0].dtype, gs[0].device
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
     n = gs[0].shape[0]
@@ -59,7 +61,7 @@ def conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tens
     k = math.prod(kernel)
     for x, g in zip(xs, gs):
         x = x.to(g.dtype)
-        per_sample = torch.nn.grad.conv2d_weight(
+        per_sample = conv2d_weight(
             x.reshape(1, n * x.shape[1], *x.shape[2:]),
             (n * d_out, layer.in_channels, *kernel),
             g.reshape(1, n * d_out, *g.shape[2:]),
@@ -75,7 +77,7 @@ def conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tens
         r_bias = r_bias + norm_g * (math.sqrt(math.prod(g.shape[2:])) * nb.F64)  # >= sum_t ||b_t||
         largest = torch.maximum(largest, torch.maximum(norm_x, norm_g))
     depth = sum(math.prod(g.shape[2:]) for g in gs) + len(gs)  # positions, and the sum over calls
-    bounds: dict[nn.Parameter, Tensor] = {}
+    bounds: dict[Tensor, Tensor] = {}
     if layer.weight in grads:
         alpha = nb.kernel_error(depth, u, nb.input_roundoff(device, "conv"))
         eta = (largest * (2 * m) + 2) * (math.sqrt(d_in * d_out) * depth * tau)

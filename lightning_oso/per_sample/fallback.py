@@ -18,7 +18,7 @@ def opacus_fallback(layer: nn.Module, inputs: list[tuple], backprops: list[Tenso
         if not hasattr(layer, "ft_compute_per_sample_gradient"):
             prepare_layer(layer, batch_first=True)
         sampler = ft_compute_per_sample_gradient
-    grads: dict[nn.Parameter, Tensor] = {}
+    grads: dict[Tensor, Tensor] = {}
     for x, g in zip(inputs, backprops):
         for p, gs in sampler(layer, list(x), g).items():
             if p.requires_grad:

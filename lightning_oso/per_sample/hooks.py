@@ -203,7 +203,7 @@ class BookKeeping:
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in parts], torch.float32)
         return nb.round_up(total, dtype)
 
-    def weighted_sums(self, params: Iterable[nn.Parameter], weights: Tensor) -> list[Tensor]:
+    def weighted_sums(self, params: Iterable[Tensor], weights: Tensor) -> list[Tensor]:
         """``sum_i weights[i, k] g_i`` per parameter in ``params``, shape ``[k, *param.shape]`` (zeros for a
         parameter no sample's gradient reached)."""
         sums: Sums = {}

@@ -33,7 +33,7 @@ class OuterProduct:
     """A layer whose weight gradient is ``G_i = sum_t b_it a_it^T`` (``a``: ``[n, T, d_in]``, ``b``: ``[n, T,
     d_out]``) and whose bias gradient is ``sum_t b_it``."""
 
-    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, a: Tensor, b: Tensor) -> None:
+    def __init__(self, weight: Tensor | None, bias: Tensor | None, a: Tensor, b: Tensor) -> None:
         self.weight = weight if weight is not None and weight.requires_grad else None
         self.bias = bias if bias is not None and bias.requires_grad else None
         self.a, self.b = a.to(b.dtype), b
@@ -108,13 +108,13 @@ class OuterProduct:
             norm_a = nb.sq_norm_upper(self.a).sqrt_().mul_(nb.F64)
             r = norm_a * norm_b  # = ||G_i|| for one position
             # underflow of each product (and flushed subnormal inputs, at most tiny times the other factor)
-            eta = (norm_a + norm_b).add_(2).mul_(math.sqrt(d_in * d_out) * t * tau)
+            underflow = (norm_a + norm_b).add_(2).mul_(math.sqrt(d_in * d_out) * t * tau)
             alpha = nb.kernel_error(t, u, u_mm)
             if self.per_sample_weight is None:  # one position: G^ = fl(b a^T) or exact, one rounding
-                bound = r.mul_((1 + alpha) * nb.F64).add_(eta)
+                bound = r.mul_((1 + alpha) * nb.F64).add_(underflow)
             else:
                 held = nb.sq_norm_upper(self.per_sample_weight).sqrt_().mul_(nb.F64)
-                bound = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(eta)
+                bound = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(underflow)
             parts.append(bound.square_().mul_(nb.F64))
         if self.bias is not None:
             positions = norm_b * (math.sqrt(t) * nb.F64)  # >= sum_t ||b_t|| (Cauchy-Schwarz)
@@ -122,6 +122,7 @@ class OuterProduct:
         return sum_parts(parts)
 
     def _bias_bound(self, positions: Tensor, u: float, tau: float) -> Tensor:
+        assert self.per_sample_bias is not None  # set whenever the bias is trained
         return _sum_over_positions_bound(positions, self.per_sample_bias, self.b.shape[1], u, tau)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
@@ -138,6 +139,7 @@ class OuterProduct:
                 flat = torch.matmul(scaled.transpose(1, 2), self.a.reshape(n * t, self.a.shape[2]))
             sums[self.weight] = flat.reshape(weights.shape[1], *self.weight.shape)
         if self.bias is not None:
+            assert self.per_sample_bias is not None  # set whenever the bias is trained
             sums[self.bias] = weights.t() @ self.per_sample_bias
         return sums
 

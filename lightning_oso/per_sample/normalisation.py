@@ -39,7 +39,7 @@ def group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]
 
 
 def _normalisation(
-    layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
+    layer: nn.LayerNorm | nn.GroupNorm, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
 ) -> Instantiated:
     """LayerNorm/GroupNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat`` as the
     layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t * b_t``, the
@@ -50,8 +50,8 @@ def _normalisation(
     dtype = parts[0][1].dtype
     u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
     width = math.prod(shape)
-    grads64: dict[nn.Parameter, Tensor] = {}
-    spread: dict[nn.Parameter, Tensor] = {}
+    grads64: dict[Tensor, Tensor] = {}
+    spread: dict[Tensor, Tensor] = {}
     positions = sum(x_hat.shape[position_dim] for x_hat, _ in parts)
     err = 0.0
     for x_hat, b in parts:
@@ -67,13 +67,14 @@ def _normalisation(
             buffer = term.abs_() if rounded else torch.abs(term, out=buffer)  # no new tensor of this size
             accumulate(spread, param, _positive_sum_upper(buffer, position_dim).reshape(n, *shape))
     err = (1 + err) * (1 + nb.gamma(len(parts), U64)) - 1  # the sum over calls
-    grads, bounds = {}, {}
-    for param, g64 in grads64.items():
-        magnitude = nb.sq_norm_upper(spread[param]).sqrt_().mul_(nb.F64)
+    grads: dict[Tensor, Tensor] = {}
+    bounds: dict[Tensor, Tensor] = {}
+    for p, g64 in grads64.items():
+        magnitude = nb.sq_norm_upper(spread[p]).sqrt_().mul_(nb.F64)
         held = nb.sq_norm_upper(g64).sqrt_().mul_(nb.F64)
         slack = magnitude.mul_(err).add_(2 * positions * math.sqrt(width) * tau)
-        bounds[param] = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
-        grads[param] = g64.to(dtype)
+        bounds[p] = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
+        grads[p] = g64.to(dtype)
     return Instantiated(grads, bounds=bounds)
 
 

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_oso.per_sample import norm_bounds as nb
 
-#: One layer part's weighted sums: per parameter, ``[k, *param.shape]``.
-Sums = dict[nn.Parameter, Tensor]
+#: One layer part's weighted sums: per parameter (keyed as a tensor, as torch types a module's parameters),
+#: ``[k, *param.shape]``.
+Sums = dict[Tensor, Tensor]
 
 U64 = nb.unit_roundoff(torch.float64)
 
@@ -48,7 +49,7 @@ class Instantiated:
     (float64 ``[n]``, of the norm) where the layer computed a bound of its own: where the held tensor is a rounded sum
     over positions that can cancel, whose bound must also cover the exact gradient."""
 
-    def __init__(self, grads: dict[nn.Parameter, Tensor], bounds: dict[nn.Parameter, Tensor] | None = None) -> None:
+    def __init__(self, grads: dict[Tensor, Tensor], bounds: dict[Tensor, Tensor] | None = None) -> None:
         self.grads = grads
         self.bounds = bounds or {}
         self.dtype = next(iter(grads.values())).dtype if grads else torch.float32
@@ -88,7 +89,7 @@ def at_least_float32(x: Any) -> Any:
     return x
 
 
-def accumulate(grads: dict[nn.Parameter, Tensor], param: nn.Parameter | None, value: Tensor) -> None:
+def accumulate(grads: dict[Tensor, Tensor], param: Tensor | None, value: Tensor) -> None:
     if param is not None and param.requires_grad:
         grads[param] = grads[param] + value if param in grads else value
 

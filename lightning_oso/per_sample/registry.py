@@ -32,7 +32,7 @@ class FastPath:
     """A registered layer type's function, and the options of a layer that it covers."""
 
     compute: LayerFunction
-    supports: Callable[[nn.Module], bool]
+    supports: Callable[..., bool]  # takes the layer types it is registered for
 
 
 #: Layer type -> its fast path, filled by :func:`register_fast_path` when the layer files are imported (the
@@ -45,7 +45,7 @@ def _covers_every_option(layer: nn.Module) -> bool:
 
 
 def register_fast_path(
-    *layer_types: type[nn.Module], supports: Callable[[nn.Module], bool] = _covers_every_option
+    *layer_types: type[nn.Module], supports: Callable[..., bool] = _covers_every_option
 ) -> Callable[[_F], _F]:
     """Decorator registering a function as the fast path of ``layer_types`` (for the layers that ``supports``).
 

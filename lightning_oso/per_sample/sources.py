@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import torch
 from opacus.grad_sample import GradSampleHooks
@@ -29,7 +29,7 @@ from lightning_oso.per_sample.parts import per_sample_norms, weighted_sums
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
 
 #: The hooks of either mode, as :func:`attach` returns them.
-Hooks = BookKeeping | GradSampleHooks
+Hooks: TypeAlias = BookKeeping | GradSampleHooks
 
 
 class PerSampleSource(Protocol):
@@ -73,7 +73,7 @@ def detach(hooks: Hooks | None) -> None:
         hooks.cleanup()
 
 
-def source(hooks: Hooks | None, params: list[Tensor]) -> PerSampleSource:
+def source(hooks: Hooks | None, params: Sequence[Tensor]) -> PerSampleSource:
     """The source of the last backward pass's per-sample norms and sums for ``params``: from the fast path's
     ``hooks``, or else from the per-sample gradients Opacus' hooks left in ``p.grad_sample``.
 
@@ -88,8 +88,8 @@ def source(hooks: Hooks | None, params: list[Tensor]) -> PerSampleSource:
 class GradSampleSource:
     """Per-sample norms and sums from the per-sample gradients Opacus' hooks left in ``p.grad_sample``."""
 
-    def __init__(self, params: list[Tensor]) -> None:
-        self.params = params
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.params = list(params)
         self.samples = [getattr(p, "grad_sample", None) for p in params]
         for p, gs in zip(params, self.samples):
             if gs is None and p.grad is not None:
@@ -114,14 +114,14 @@ class GradSampleSource:
 
     def release(self) -> None:
         for p in self.params:
-            p.grad_sample = None
+            p.grad_sample = None  # type: ignore[attr-defined]  # Opacus' attribute, which torch's Tensor does not declare
 
 
 class HookedSource:
     """Per-sample norms and sums from the fast path's hooks (:class:`~lightning_oso.per_sample.hooks.BookKeeping`)."""
 
-    def __init__(self, hooks: BookKeeping, params: list[Tensor]) -> None:
-        self.hooks, self.params = hooks, params
+    def __init__(self, hooks: BookKeeping, params: Sequence[Tensor]) -> None:
+        self.hooks, self.params = hooks, list(params)
         for p in params:
             if id(p) not in hooks.covered and p.grad is not None:
                 raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))

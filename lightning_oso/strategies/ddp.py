@@ -68,7 +68,8 @@ class DPDDPStrategy(PrivateTraining, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         # Instead of wrapping the module: start every process from rank 0's parameters and buffers.
-        _broadcast_module_states(self.model)
+        if self.model is not None:
+            _broadcast_module_states(self.model)
 
 
 #: The DDPStrategy arguments that keep their meaning; the others (``ddp_comm_hook``, ``model_averaging_period``,

@@ -18,7 +18,7 @@ the accounting.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
@@ -26,14 +26,26 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_oso import checks, per_sample
-from lightning_oso.data import poisson_loader
+from lightning_oso.clipping import ClippingRule
+from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.ledger import RunLedger
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping
 from lightning_oso.per_sample.sources import Hooks
-from lightning_oso.randomness import NOISE, RunRandomness
+from lightning_oso.randomness import NOISE, Generator, RunRandomness
 from lightning_oso.step import SanitisedStep, add_gaussian_noise, refuse_step, sanitise
 
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
-class PrivateTraining:
+# The mixin comes before a Lightning Strategy in its subclasses' bases; type-checked as one (at run time a plain
+# class, so that the strategy's own base decides the method resolution order).
+if TYPE_CHECKING:
+    _StrategyBase = Strategy
+else:
+    _StrategyBase = object
+
+
+class PrivateTraining(_StrategyBase):
     """The private step, as a mixin for a Lightning ``Strategy`` (single device, or one process of DDP).
 
     It relies on the strategy's ``global_rank`` and ``world_size``: each process Poisson-samples its own shard of
@@ -41,12 +53,16 @@ class PrivateTraining:
     is added once globally and every process ends the step with the same sanitised values.
     """
 
+    if TYPE_CHECKING:  # set by SingleDeviceStrategy, properties of ParallelStrategy
+        global_rank: int
+        world_size: int
+
     def _init_privacy(self) -> None:
-        self.rule = None  # the clipping rule; set by the DP callback before the first step
+        self.rule: ClippingRule | None = None  # the clipping rule; set by the DP callback before the first step
         #: the run's random streams (noise and sampling, keyed per step); set by the DP callback
         self.randomness: RunRandomness | None = None
-        #: the privacy ledger's step counter and write-ahead record (``ledger.RunLedger``); set by the DP callback
-        self.ledger = None
+        #: the privacy ledger's step counter and write-ahead record; set by the DP callback
+        self.ledger: RunLedger | None = None
         self.loss_reduction = "mean"
         self.num_samples: int | None = None
         self.expected_batch_size: float | None = None  # B = qN
@@ -57,7 +73,7 @@ class PrivateTraining:
         #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless
         #: collect_diagnostics
         self.collect_diagnostics = False
-        self._noise_stream: tuple | None = None  # (step, generator) of the step being privatised
+        self._noise_stream: tuple[int, Generator] | None = None  # (step, generator) of the step being privatised
         self._training_data: tuple[Any, Any] | None = None  # (dataset, collate_fn): the structure for the checks
         self.diagnostics: dict[str, Tensor] = {}
 
@@ -123,8 +139,9 @@ class PrivateTraining:
             world_size=self.world_size,
             first_step=self.executed_steps,
         )
-        self.num_samples = loader.batch_sampler.num_samples
-        self.sample_rate = loader.batch_sampler.sample_rate
+        sampler = cast(PoissonBatchSampler, loader.batch_sampler)
+        self.num_samples = sampler.num_samples
+        self.sample_rate = sampler.sample_rate
         # B = qN over all processes (docs/algorithms.md, "What is private")
         self.expected_batch_size = self.sample_rate * self.num_samples
         return loader
@@ -132,7 +149,7 @@ class PrivateTraining:
     # ------------------------------------------------------------------ hooks
     def attach_hooks(self) -> None:
         """Attach the per-sample hooks to the user's module (its class and forward stay as they are)."""
-        if self._hooks is None:
+        if self._hooks is None and self.lightning_module is not None:
             self._hooks = per_sample.attach(self.lightning_module, self.grad_sample_mode, self.loss_reduction)
 
     def detach_hooks(self) -> None:
@@ -200,6 +217,8 @@ class PrivateTraining:
         (``[k, *shape]``; row ``rule.GRADIENT`` is the new gradient) and the rule's sanitised scalar queries (``[m]``,
         or ``None`` if it has none).
         """
+        if self.rule is None or self.expected_batch_size is None:
+            raise RuntimeError("the private step needs a DP callback's rule and a Poisson-sampled training loader")
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         source = per_sample.source(self._hooks, params)
         if source.empty and self._batch_size != 0:
@@ -230,19 +249,23 @@ class PrivateTraining:
             return sums
         return add_gaussian_noise(sums, stds, self._noise_generator())
 
-    def _noise_generator(self):
+    def _noise_generator(self) -> Generator:
         """This step's noise stream, keyed on the ledger's executed-step counter (never reused across steps,
         resumes or crashes: see ``randomness``). Scalar queries draw from it after the vector ones."""
         if self._noise_stream is None or self._noise_stream[0] != self.executed_steps:
+            if self.randomness is None:
+                raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
             generator = self.randomness.generator(NOISE, self.executed_steps, device=self.root_device)
             self._noise_stream = (self.executed_steps, generator)
         return self._noise_stream[1]
 
     def _refuse_step(self, nonfinite: int, size: int) -> NoReturn:
-        refuse_step(nonfinite, size, step=self.lightning_module.trainer.global_step)
+        module = self.lightning_module
+        refuse_step(nonfinite, size, step=module.trainer.global_step if module is not None else None)
 
     def _observe_norms(self, norms: Tensor) -> None:
-        self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
+        if self.rule is not None:
+            self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
 
 
 def _nonprivate_diagnostics(norms: Tensor, clip: Tensor) -> dict[str, Tensor]:
