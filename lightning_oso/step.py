@@ -106,11 +106,13 @@ def sanitise(
         >>> [g.shape for g in released.gradients]
         [torch.Size([4, 5]), torch.Size([5])]
     """
+    # norms -> weights
     norms = per_sample.norms()
     weights = rule.weights(norms)
     if observe_norms is not None:
         observe_norms(norms)
-    # parameters not used in this step get zero sums, still noised: whether a parameter was used may depend on the data
+    # -> weighted sums. Parameters not used in this step get zero sums, still noised: whether a parameter was used
+    # may depend on the data
     sums = per_sample.weighted_sums(weights)
     per_sample.release()
     contributions = rule.scalar_queries(norms)
@@ -118,22 +120,25 @@ def sanitise(
     # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
     # released, not even noised over. The count travels with the sums, so every process refuses the same step.
     nonfinite = count_nonfinite(norms)
-    status = nonfinite.to(norms.dtype).reshape(1)
 
+    # -> add noise
     noisy = add_noise(sums, rule.noise_stds())
     noisy_scalars = add_noise(scalar_sums, _scalar_stds(rule)) if scalar_sums else []
 
-    totals = [*noisy, *noisy_scalars, status]
+    # -> reduce across processes (the refusal flag with them)
+    totals = [*noisy, *noisy_scalars, nonfinite.to(norms.dtype).reshape(1)]
     if sum_across_processes is not None:
         totals = sum_across_processes(totals)
 
-    # the one host read of a step, after the sums and noise are queued
-    if bool(status.any()):
+    # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while the
+    # host waits)
+    if bool(totals[-1].any()):
         (refuse or refuse_step)(int(nonfinite), norms.shape[0])
     # the write-ahead record: charged (and on disk) before anything of the step can leave this function
     if record_step is not None:
         record_step()
 
+    # -> scale
     released = average(totals[: len(sums)], expected_batch_size)
     scalars = average(totals[len(sums) : -1], expected_batch_size)[0] if scalar_sums else None
     return SanitisedStep(sums=tuple(released), scalars=scalars, gradient_row=rule.GRADIENT)
