@@ -28,7 +28,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import MODELS, synthetic_data
 
-from lightning_oso.book_keeping import BookKeeping
+from lightning_oso.per_sample import BookKeeping
 
 
 def _load(path: str):

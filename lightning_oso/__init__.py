@@ -47,12 +47,11 @@ from lightning_oso.clipping import (
     ScheduledNoiseClipping,
 )
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.ddp import DPDDPStrategy
 from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.schedules import PURSchedule
 from lightning_oso.search import HonestGridSearch, LinearScalingSearch, SearchResult
-from lightning_oso.strategy import DPStrategy
+from lightning_oso.strategies import DPDDPStrategy, DPStrategy
 
 __all__ = [
     "OSODP",

@@ -40,15 +40,16 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from lightning_oso.book_keeping import BookKeeping
+from lightning_oso import per_sample
+from lightning_oso.per_sample import BookKeeping
 from lightning_oso.validation import PrivacyConfigurationError
 
 #: Records in the synthetic batch (the leave-one-out batch has one fewer). Small: the checks cost three forward and
 #: backward passes on it once per fit; large enough that the reduction's factor ``n/(n-1) = 4/3`` is far from 1.
 SIZE = 4
 #: Per-sample norms at or below this carry no signal for leave-one-out: a loss whose gradients vanish on the
-#: synthetic batch leaves only the norm bounds' underflow terms (``norm_bounds``: ~1e-38 per operation, times the
-#: batch size for a mean loss), which scale with ``n`` like a mismatched reduction would.
+#: synthetic batch leaves only the norm bounds' underflow terms (``per_sample.norm_bounds``: ~1e-38 per operation,
+#: times the batch size for a mean loss), which scale with ``n`` like a mismatched reduction would.
 VANISHING = 1e-30
 #: Seed of the synthetic values: fixed and data-independent, so every process checks the same batch.
 SEED = 0
@@ -209,7 +210,7 @@ def check_consistency(
     """Run the consistency checks (additivity, then leave-one-out) of the run's per-sample path on a synthetic batch
     with the structure of ``example`` (see :func:`synthetic_batch` for ``example`` and ``collate``).
 
-    ``strategy`` is the run's :class:`~lightning_oso.strategy.PrivateTraining` with its per-sample hooks attached;
+    ``strategy`` is the run's :class:`~lightning_oso.strategies.PrivateTraining` with its per-sample hooks attached;
     ``params`` are the optimised parameters. The user's ``training_step`` runs on the synthetic batch with logging
     switched off, dropout modules in eval mode, torch's, Python's and NumPy's random states forked, and every
     parameter's ``.grad``, every buffer and the hooks' state left as they were.
@@ -268,8 +269,6 @@ class _Pass:
 
 def _run(strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any, size: int, seed: int = SEED) -> _Pass:
     """training_step, backward and the per-sample path on ``batch`` (of ``size`` records), from a clean state."""
-    from lightning_oso.strategy import _BookKeepingSource, _GradSampleSource  # strategy imports this module
-
     hooks = strategy._hooks
     for p in module.parameters():
         p.grad = None
@@ -297,7 +296,7 @@ def _run(strategy: Any, module: Any, params: Sequence[nn.Parameter], batch: Any,
     except Exception as err:
         raise _CannotRun(f"backward raised {type(err).__name__}: {err}") from err
     params = list(params)
-    source = _BookKeepingSource(hooks, params) if isinstance(hooks, BookKeeping) else _GradSampleSource(params)
+    source = per_sample.source(hooks, params)
     if source.empty:
         raise _CannotRun("no per-sample gradients: the loss does not depend on the trainable parameters")
     try:

@@ -1,7 +1,7 @@
 """Clipping rules: the weights a rule needs from the per-sample norms, the noise it adds, and its update from
 sanitised values.
 
-A rule is a small stateful object with one interface, so the private step (``private_step.py``) is the same for
+A rule is a small stateful object with one interface, so the private step (``step.py``) is the same for
 every method; only the rule varies:
 
 - ``weights(norms)``: ``[n, k]``, one column per weighted sum of per-sample gradients the rule releases
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_oso import private_step
+from lightning_oso import step
 from lightning_oso.accounting import DEFAULT_DIRECTION_NOISE_RATIO, split_noise_multiplier
 from lightning_oso.validation import check_open_interval, check_positive
 
@@ -69,7 +69,7 @@ class ClippingRule:
 
     # --- what the private step asks of a rule
     def weights(self, norms: Tensor) -> Tensor:
-        return private_step.clip_weights(norms, self.clip.to(norms.dtype))
+        return step.clip_weights(norms, self.clip.to(norms.dtype))
 
     def noise_stds(self) -> Tensor:
         """``C_t nu_g``: the clipped sum has sensitivity ``C_t``."""
@@ -153,7 +153,7 @@ class FixedQuantileClipping(ClippingRule):
         return {**super().noise_multipliers(), "count_noise_multiplier": 2 * self.count_noise_std}
 
     def scalar_queries(self, norms: Tensor) -> Tensor:
-        return private_step.centred_unclipped_count(norms, self.clip.to(norms.dtype))
+        return step.centred_unclipped_count(norms, self.clip.to(norms.dtype))
 
     def scalar_noise_stds(self) -> Tensor:
         return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)
@@ -238,7 +238,7 @@ class OSOClipping(ClippingRule):
         return {**super().noise_multipliers(), "direction_noise_multiplier": self.direction_noise_multiplier}
 
     def weights(self, norms: Tensor) -> Tensor:
-        return private_step.oso_weights(norms, self.clip.to(norms.dtype))
+        return step.oso_weights(norms, self.clip.to(norms.dtype))
 
     def noise_stds(self) -> Tensor:
         """``C_t nu_g`` (sensitivity ``C_t``) and ``nu_q`` (sensitivity 1)."""
@@ -256,8 +256,8 @@ class OSOClipping(ClippingRule):
         if self.prev_gradient is None:  # t = 1: q~_0 = g~_0 = 0, sign(0) = 0
             lr_factor = torch.ones_like(self.clip)
         else:
-            clip_sign = torch.sign(private_step.flat_dot(gradient, self.prev_direction)).to(self.clip.dtype)
-            lr_sign = torch.sign(private_step.flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
+            clip_sign = torch.sign(step.flat_dot(gradient, self.prev_direction)).to(self.clip.dtype)
+            lr_sign = torch.sign(step.flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
             lr_factor = torch.exp(self.lr_lr * lr_sign)
         self.prev_gradient = [g.detach().clone() for g in gradient]  # a copy: p.grad is a view a user may edit

@@ -43,7 +43,7 @@ class Indexed(ToyModel):
         self.seen.append(batch[2].tolist())
 
     def training_step(self, batch, batch_idx):
-        x, y, index = batch
+        x, y, _ = batch
         if SCENARIO == "sum":
             return F.cross_entropy(self(x), y, reduction="sum")
         if self.trainer.strategy.global_rank == 1 and self.trainer.global_step == 2 and SCENARIO == "nan":

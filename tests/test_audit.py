@@ -22,7 +22,7 @@ from lightning_oso.audit import (
     one_run_epsilon_lower_bound,
     one_run_p_value,
 )
-from lightning_oso.strategy import PrivateTraining
+from lightning_oso.strategies import PrivateTraining
 
 
 def test_one_run_bound_without_delta_is_the_logit_of_the_clopper_pearson_bound():

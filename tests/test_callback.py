@@ -17,7 +17,7 @@ from lightning_oso import OSODP, PURDP, DPCallback, DPStrategy, FixedQuantileDP,
 from lightning_oso.accounting import ACCOUNTANTS, FULL_BATCH_ACCOUNTANTS
 from lightning_oso.callbacks import DPArguments, RunArguments
 from lightning_oso.callbacks.arguments import AccountantName, GradSampleMode
-from lightning_oso.strategy import GRAD_SAMPLE_MODES
+from lightning_oso.strategies import GRAD_SAMPLE_MODES
 
 
 @pytest.mark.slow

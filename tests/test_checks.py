@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_oso import OSODP, checks
-from lightning_oso.book_keeping import BookKeeping
+from lightning_oso.per_sample import BookKeeping
 from lightning_oso.validation import PrivacyConfigurationError
 
 MODES = ["book_keeping", "hooks"]

@@ -19,9 +19,10 @@ from lightning_oso import (
     OSOClipping,
     PrivacyConfigurationError,
     compute_epsilon,
-    private_step,
 )
 from lightning_oso.clipping import quantile_gradient_noise_multiplier
+from lightning_oso.per_sample import TensorSource, per_sample_norms, weighted_sums
+from lightning_oso.step import add_gaussian_noise, average, centred_unclipped_count, gaussian_noise, sanitise
 
 
 def _samples(n=7, seed=0):
@@ -34,8 +35,8 @@ def _samples(n=7, seed=0):
 def test_fixed_threshold_sum_matches_brute_force(clip):
     samples = _samples()
     rule = FixedThresholdClipping(noise_multiplier=1.0, clip=clip)
-    norms = private_step.per_sample_norms(samples)
-    sums = private_step.weighted_sums(samples, rule.weights(norms))
+    norms = per_sample_norms(samples)
+    sums = weighted_sums(samples, rule.weights(norms))
     for p, s in enumerate(sums):
         expected = torch.zeros_like(samples[p][0])
         for i in range(7):
@@ -50,13 +51,7 @@ def test_fixed_threshold_sum_matches_brute_force(clip):
 def test_fixed_threshold_noise_std():
     rule = FixedThresholdClipping(noise_multiplier=1.7, clip=0.4)
     zeros = [torch.zeros(3, 200_000, dtype=torch.float64)]
-    out = private_step.sanitise(
-        zeros,
-        rule.weights(torch.ones(3, dtype=torch.float64)),
-        rule.noise_stds(),
-        8.0,
-        torch.Generator().manual_seed(3),
-    )
+    out = sanitise(TensorSource(zeros), rule, 8.0, add_noise=gaussian_noise(torch.Generator().manual_seed(3))).sums
     n = out[0].numel()
     assert out[0].std().item() == pytest.approx(0.4 * 1.7 / 8.0, rel=5 / math.sqrt(2 * n))
 
@@ -74,14 +69,12 @@ def test_quantile_noise_split_costs_one_gaussian_mechanism():
 
 def test_centred_count_and_its_sensitivity():
     norms = torch.tensor([0.1, 0.5, 0.9, 2.0, 3.0], dtype=torch.float64)
-    counts = private_step.centred_unclipped_count(norms, torch.tensor(0.9, dtype=torch.float64))
+    counts = centred_unclipped_count(norms, torch.tensor(0.9, dtype=torch.float64))
     assert counts.squeeze(1).tolist() == [0.5, 0.5, 0.5, -0.5, -0.5]  # b_i - 1/2, with ||g|| <= C unclipped
     # add/remove one record: the sum moves by exactly 1/2 whatever the record
     for extra in (0.0, 0.9, 50.0):
         neighbour = torch.cat([norms, torch.tensor([extra], dtype=torch.float64)])
-        moved = (
-            private_step.centred_unclipped_count(neighbour, torch.tensor(0.9, dtype=torch.float64)).sum() - counts.sum()
-        )
+        moved = centred_unclipped_count(neighbour, torch.tensor(0.9, dtype=torch.float64)).sum() - counts.sum()
         assert abs(moved.item()) == 0.5
 
 
@@ -98,8 +91,8 @@ def test_quantile_update_and_count_noise():
     norms = torch.ones(10, dtype=torch.float64) * 5  # all clipped at C ~ 0.9
     contributions = rule.scalar_queries(norms).expand(10, 100_000).contiguous()
     gen = torch.Generator().manual_seed(0)
-    noisy = private_step.add_gaussian_noise([contributions.sum(dim=0)], rule.scalar_noise_stds().expand(100_000), gen)
-    released = private_step.average(noisy, 10.0)[0]
+    noisy = add_gaussian_noise([contributions.sum(dim=0)], rule.scalar_noise_stds().expand(100_000), gen)
+    released = average(noisy, 10.0)[0]
     assert released.mean().item() == pytest.approx(-0.5, abs=5 * 0.2 / math.sqrt(1e5))
     assert released.std().item() == pytest.approx(2.0 / 10.0, rel=5 / math.sqrt(2e5))
 

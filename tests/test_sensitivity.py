@@ -3,7 +3,7 @@
 The noise is calibrated to: adding or removing one record moves the clipped sum ``sum_i w_i g_i`` by at most ``C``
 and OSO's direction sum by at most 1. That holds only if the per-sample norm ``N_i`` the weights come from is at
 least the true ``||g_i||``. Each test takes a batch of benign records plus one adversarial record, runs the
-production code (``BookKeeping``, ``private_step``'s weights, and end to end the DP callback through a ``Trainer``),
+production code (``BookKeeping``, ``step``'s weights, and end to end the DP callback through a ``Trainer``),
 and measures the move in float64 against the true per-sample gradients, computed one sample at a time with
 autograd in float64. Adversarial records: positions that nearly cancel (``x`` and ``-(1 - d) x``), a bias whose
 positions cancel after rounding, huge scales (up to the float32 maximum), tiny values, mixed signs, on every layer
@@ -30,8 +30,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_oso import private_step
-from lightning_oso.book_keeping import BookKeeping, _Instantiated
+from lightning_oso import step
+from lightning_oso.per_sample import BookKeeping, per_sample_norms, weighted_sums
+from lightning_oso.per_sample.parts import Instantiated
 
 CLIP = 0.5
 #: the weights' own rounding: C in float32 and one division, (1 + 2^-24)^2 - 1 < 1e-6
@@ -204,8 +205,8 @@ def production(layer: nn.Module, x: torch.Tensor, v: torch.Tensor):
     bk = BookKeeping(layer, loss_reduction="sum")
     (layer(x) * v).sum().backward()
     norms = bk.norms()
-    weights = private_step.oso_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
-    clip_weights = private_step.clip_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
+    weights = step.oso_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
+    clip_weights = step.clip_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
     torch.testing.assert_close(weights[:, :1], clip_weights, rtol=0, atol=0, equal_nan=True)
     kinds = [type(part) for part in bk._compute().values()]
     sums = bk.weighted_sums(list(layer.parameters()), weights)
@@ -229,7 +230,7 @@ def attack(case: Case, record) -> Outcome:
     x, v = record
     x_full, v_full = torch.cat([xb, x.unsqueeze(0).to(xb.dtype)]), torch.cat([vb, v.unsqueeze(0)])
     norms, weights, released, _ = production(layer, x_full, v_full)
-    norms_without, weights_without, released_without, _ = production(layer, xb, vb)
+    _, weights_without, released_without, _ = production(layer, xb, vb)
     true = exact_grads(layer, x_full, v_full)
     assert torch.isfinite(true).all(), "the test's record must have a finite true gradient"
     moves = weights.double().t() @ true - weights_without.double().t() @ true[:-1]  # [2, P]: clipped, direction
@@ -337,7 +338,7 @@ def test_cases_reach_both_conv_branches_and_instantiation():
     ]:
         case = BY_NAME[name]
         *_, kinds = production(_layer(case), *_benign(case))
-        assert (kinds[0] is _Instantiated) == instantiated, name
+        assert (kinds[0] is Instantiated) == instantiated, name
     layer = _layer(BY_NAME["linear_instantiated"])
     bk = BookKeeping(layer, loss_reduction="sum")
     x, v = _benign(BY_NAME["linear_instantiated"])
@@ -348,7 +349,7 @@ def test_cases_reach_both_conv_branches_and_instantiation():
 
 # ----------------------------------------------------------------------------------------------------- hooks path
 def test_hooks_path_norms_are_upper_bounds_and_finite():
-    """``private_step.per_sample_norms`` (the hooks path): per-sample gradients with entries whose squares overflow
+    """``per_sample_norms`` (the hooks path): per-sample gradients with entries whose squares overflow
     or underflow float32, and ordinary ones: every norm is finite, at least the exact norm of the given tensors, and
     the released sums move by at most ``C`` and 1."""
     g = torch.Generator().manual_seed(2)
@@ -357,25 +358,25 @@ def test_hooks_path_norms_are_upper_bounds_and_finite():
     for scale in (1e-30, 1e-20, 1.0, 1e20, 1e30, 1e37):
         extra = [torch.randn(1, 3, 4, generator=g) * scale, torch.randn(1, 6, generator=g) * scale]
         samples = [torch.cat([b, e]) for b, e in zip(benign, extra)]
-        norms = private_step.per_sample_norms(samples)
+        norms = per_sample_norms(samples)
         exact = torch.cat([s.double().flatten(1) for s in samples], dim=1).norm(dim=1)
         assert torch.isfinite(norms).all(), f"scale {scale}: {norms.tolist()}"
         assert (norms.double() >= exact).all(), f"scale {scale}: {norms.tolist()} below {exact.tolist()}"
-        weights = private_step.oso_weights(norms, clip)
-        weights_without = private_step.oso_weights(private_step.per_sample_norms(benign), clip)
-        full = private_step.weighted_sums([s.double() for s in samples], weights.double())
-        without = private_step.weighted_sums([s.double() for s in benign], weights_without.double())
+        weights = step.oso_weights(norms, clip)
+        weights_without = step.oso_weights(per_sample_norms(benign), clip)
+        full = weighted_sums([s.double() for s in samples], weights.double())
+        without = weighted_sums([s.double() for s in benign], weights_without.double())
         moves = torch.cat([(a - b).flatten(1) for a, b in zip(full, without)], dim=1).norm(dim=1)
         assert moves[0] <= CLIP * (1 + MARGIN) and moves[1] <= 1 + MARGIN
     # a norm beyond float32's range (finite entries near the maximum) has no finite float32 upper bound: inf, not NaN
-    assert private_step.per_sample_norms([torch.full((1, 4), FLOAT32_MAX)]).item() == math.inf
+    assert per_sample_norms([torch.full((1, 4), FLOAT32_MAX)]).item() == math.inf
 
 
 def test_hooks_path_non_finite_gradient_still_has_a_non_finite_norm():
     for bad in (math.nan, math.inf, -math.inf):
         samples = [torch.ones(3, 4), torch.ones(3, 2)]
         samples[1][1, 0] = bad
-        norms = private_step.per_sample_norms(samples)
+        norms = per_sample_norms(samples)
         assert torch.isfinite(norms[[0, 2]]).all() and not torch.isfinite(norms[1])
 
 
@@ -413,16 +414,17 @@ def _released_through_trainer(monkeypatch, x, v, mode):
     """One OSO step with the noise switched off (a test-only hook, as in test_audit) and every record in the batch
     (a batch as large as the dataset samples at rate 1): the released sums, times the expected batch size."""
     from lightning_oso import OSODP
-    from lightning_oso.strategy import PrivateTraining
+    from lightning_oso.strategies import PrivateTraining
 
     monkeypatch.setattr(PrivateTraining, "add_noise", lambda self, sums, stds: sums)
     captured = {}
     original = PrivateTraining.privatise
 
     def spy(self, optimizer):
-        sanitised, scalars = original(self, optimizer)
-        captured["sums"] = torch.cat([s.reshape(s.shape[0], -1) for s in sanitised], dim=1) * self.expected_batch_size
-        return sanitised, scalars
+        released = original(self, optimizer)
+        flat = torch.cat([s.reshape(s.shape[0], -1) for s in released.sums], dim=1)
+        captured["sums"] = flat * self.expected_batch_size
+        return released
 
     monkeypatch.setattr(PrivateTraining, "privatise", spy)
     torch.manual_seed(0)

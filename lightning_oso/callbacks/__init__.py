@@ -1,5 +1,5 @@
 """The DP callbacks: arguments and their validation, wiring into the trainer, accounting, budget stop, logging,
-and the state that must survive a resume. The maths lives in ``accounting``, ``clipping`` and ``private_step``;
+and the state that must survive a resume. The maths lives in ``accounting``, ``clipping`` and ``step``;
 the per-step mechanics in ``strategy.DPStrategy``; the planning in ``planning``.
 
 :class:`DPCallback` (``base``) holds everything the methods share; each method is a thin subclass that says which

@@ -29,7 +29,7 @@ from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import LedgerError, PrivacyConfigurationError
 from lightning_oso.ledger import PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
 from lightning_oso.randomness import RunRandomness, os_nonce
-from lightning_oso.strategy import PrivateTraining
+from lightning_oso.strategies import PrivateTraining
 
 
 class RunSession(Callback):

@@ -96,7 +96,7 @@ _SHARED_ARGS_DOC = {
     "grad_sample_mode": """grad_sample_mode: how the per-sample gradient norms and sums are computed.
             ``"book_keeping"`` (default): ghost norms and book-keeping sums from each layer's input and output
             gradient, per-sample gradients instantiated only where that is cheaper (fast, little memory; see
-            ``lightning_oso.book_keeping``). ``"hooks"``: Opacus' hooks instantiate every per-sample gradient (the
+            ``lightning_oso.per_sample``). ``"hooks"``: Opacus' hooks instantiate every per-sample gradient (the
             reference path). Same results up to float rounding, same privacy.""",
     "secure_rng": """secure_rng: draw the Poisson sampling and the Gaussian noise from the operating system's
             cryptographically secure generator (``os.urandom``) instead of torch's seeded ones, so that nobody who

@@ -30,7 +30,7 @@ from lightning_oso.callbacks.arguments import (
 )
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import PrivacyConfigurationError
-from lightning_oso.strategy import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
+from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
 from lightning_oso.validation import (
     check_bool,
     check_budget_arguments,

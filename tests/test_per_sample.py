@@ -7,8 +7,8 @@ from opacus.grad_sample import GradSampleHooks
 from opacus.layers import DPMultiheadAttention
 from torch import nn
 
-from lightning_oso import private_step
-from lightning_oso.book_keeping import BookKeeping, _fast_kind, _Instantiated
+from lightning_oso.per_sample import BookKeeping, fast_path, per_sample_norms, weighted_sums
+from lightning_oso.per_sample.parts import Instantiated
 
 
 class Mixed(nn.Module):
@@ -62,14 +62,14 @@ def _reference(model, tokens, image, y):
 
 def test_layer_kinds_cover_both_choices():
     model = Mixed()
-    assert _fast_kind(model.grouped) is None and _fast_kind(model.attn) is None  # attn itself owns no weights
+    assert fast_path(model.grouped) is None and fast_path(model.attn) is None  # attn itself owns no weights
     tokens, image, y = _batch()
     bk = BookKeeping(model)
     nn.functional.cross_entropy(model(tokens, image), y).backward()
     computed = bk._compute()
-    assert computed[model.conv_ghost].ghost and isinstance(computed[model.conv_inst], _Instantiated)
+    assert computed[model.conv_ghost].ghost and isinstance(computed[model.conv_inst], Instantiated)
     assert computed[model.seq_linear].ghost  # 5 positions, 8 x 16 weights
-    assert isinstance(computed[model.conv1d], _Instantiated)  # 3 positions, 48 x 4 weights, stride 2
+    assert isinstance(computed[model.conv1d], Instantiated)  # 3 positions, 48 x 4 weights, stride 2
     assert not computed[model.attn.qlinear].ghost  # 5 positions, 8 x 8 weights: instantiated
     bk.remove()
 
@@ -93,10 +93,10 @@ def test_norms_and_sums_equal_the_per_sample_path(loss_reduction, frozen):
         assert all(p.grad is None for p in params)
         bk.unfreeze()
     norms = bk.norms()
-    torch.testing.assert_close(norms, private_step.per_sample_norms(reference), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(norms, per_sample_norms(reference), rtol=1e-4, atol=1e-6)
     weights = torch.rand(len(y), 2, generator=torch.Generator().manual_seed(3))
     ours = bk.weighted_sums(params, weights)
-    for s, r in zip(ours, private_step.weighted_sums(reference, weights)):
+    for s, r in zip(ours, weighted_sums(reference, weights)):
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
     bk.remove()
 
@@ -243,7 +243,7 @@ def test_private_step_reads_one_flag_back_to_the_host(monkeypatch):
     from helpers import ToyModel, make_trainer, toy_loader
 
     from lightning_oso import OSODP
-    from lightning_oso.strategy import DPStrategy
+    from lightning_oso.strategies import DPStrategy
 
     reads = []
     original_privatise = DPStrategy.privatise
@@ -294,7 +294,7 @@ def test_frozen_first_layer_followed_by_an_inplace_op():
     bk.freeze()
     model(x).sum().backward()
     bk.unfreeze()
-    expected = private_step.per_sample_norms([torch.stack([r[j] for r in reference]) for j in range(4)])
+    expected = per_sample_norms([torch.stack([r[j] for r in reference]) for j in range(4)])
     torch.testing.assert_close(bk.norms(), expected, rtol=1e-4, atol=1e-6)
     bk.remove()
 

@@ -1,6 +1,7 @@
 """Private training on Lightning's DDP: several processes (GPUs, nodes), one private step.
 
-What changes against one device (spec section 0; the mechanics are :class:`~lightning_oso.strategy.PrivateTraining`):
+What changes against one device (docs/algorithms.md, "What is private"; the mechanics are
+:class:`~lightning_oso.strategies.PrivateTraining`):
 
 - Sampling: process ``r`` of ``W`` Poisson-samples its shard of the records (``r, r + W, ...``) at rate
   ``q = W b / N`` (``b`` the DataLoader's batch size, per process as in Lightning's DDP), from a stream of its own.
@@ -25,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_oso.strategy import PrivateTraining
+from lightning_oso.strategies.private_training import PrivateTraining
 from lightning_oso.validation import PrivacyConfigurationError
 
 
@@ -40,11 +41,15 @@ class DPDDPStrategy(PrivateTraining, DDPStrategy):
     Raises:
         PrivacyConfigurationError: for a wrapper or communication-hook argument.
 
-    Example::
+    Example:
+        On four GPUs, ``L.Trainer(accelerator="gpu", devices=4, strategy=DPDDPStrategy(),
+        callbacks=[OSODP(target_epsilon=3.0)])``, and ``DataLoader(dataset, batch_size=64)`` samples 64 records per
+        process: an expected batch of 256 in all. The wrapper's arguments are refused:
 
-        trainer = L.Trainer(accelerator="gpu", devices=4, strategy=DPDDPStrategy(),
-                            callbacks=[OSODP(target_epsilon=3.0)])
-        trainer.fit(model, DataLoader(dataset, batch_size=64))  # 64 per process: expected batch 256 in all
+        >>> strategy = DPDDPStrategy(process_group_backend="gloo")
+        >>> DPDDPStrategy(find_unused_parameters=True)  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        PrivacyConfigurationError: DPDDPStrategy does not take find_unused_parameters: these configure the ...
     """
 
     strategy_name = "dp_ddp"
@@ -63,7 +68,8 @@ class DPDDPStrategy(PrivateTraining, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         # Instead of wrapping the module: start every process from rank 0's parameters and buffers.
-        _broadcast_module_states(self.model)
+        if self.model is not None:
+            _broadcast_module_states(self.model)
 
 
 #: The DDPStrategy arguments that keep their meaning; the others (``ddp_comm_hook``, ``model_averaging_period``,

@@ -32,7 +32,8 @@ import math
 import torch
 from torch import Tensor
 
-#: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond, the scaled float32 route is faster on CPU)
+#: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond,
+#: the scaled float32 route is faster on CPU)
 FLOAT64_ROUTE_LIMIT = 1 << 20
 
 #: a generous factor for the rounding of the few float64 operations that combine bounds (each formula below has far

@@ -1,4 +1,5 @@
-"""The private step's maths against brute force: clipping, directions, noise, sensitivity."""
+"""The private step's maths against brute force: clipping, directions, noise, sensitivity (``step.sanitise``, the
+function the strategy runs, and its stages)."""
 
 import math
 
@@ -7,8 +8,9 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
-from lightning_oso import private_step
-from lightning_oso.clipping import OSOClipping
+from lightning_oso import step
+from lightning_oso.clipping import FixedThresholdClipping, OSOClipping
+from lightning_oso.per_sample import TensorSource, per_sample_norms, weighted_sums
 
 
 def _grad_samples(n=12, seed=0):
@@ -29,7 +31,7 @@ def _flat(samples, i):
 
 def test_norms_match_loop():
     samples = _grad_samples()
-    norms = private_step.per_sample_norms(samples)
+    norms = per_sample_norms(samples)
     expected = torch.stack([_flat(samples, i).norm() for i in range(samples[0].shape[0])])
     torch.testing.assert_close(norms, expected)
 
@@ -38,8 +40,8 @@ def test_norms_match_loop():
 def test_clipped_and_direction_sums_match_brute_force(clip):
     samples = _grad_samples()
     n = samples[0].shape[0]
-    weights = private_step.oso_weights(private_step.per_sample_norms(samples), torch.tensor(clip, dtype=torch.float64))
-    sums = private_step.weighted_sums(samples, weights)
+    weights = step.oso_weights(per_sample_norms(samples), torch.tensor(clip, dtype=torch.float64))
+    sums = weighted_sums(samples, weights)
     clipped, direction = torch.zeros_like(_flat(samples, 0)), torch.zeros_like(_flat(samples, 0))
     for i in range(n):  # the spec's formulas, one sample at a time
         g = _flat(samples, i)
@@ -63,8 +65,8 @@ def test_one_record_changes_noiseless_sums_by_at_most_clip_and_one():
         neighbour = [torch.cat([s, e]) for s, e in zip(base, extra)]
 
         def sums(samples):
-            w = private_step.oso_weights(private_step.per_sample_norms(samples), clip)
-            return private_step.weighted_sums(samples, w)
+            w = step.oso_weights(per_sample_norms(samples), clip)
+            return weighted_sums(samples, w)
 
         a, b = sums(base), sums(neighbour)
         diff_clip = math.sqrt(sum(((x[0] - y[0]) ** 2).sum().item() for x, y in zip(a, b)))
@@ -80,9 +82,8 @@ def test_noise_standard_deviations():
     """Noise of the two queries: std C_t * nu_g and nu_q (in sum units), independent; checked on 400k draws."""
     rule = OSOClipping(noise_multiplier=1.3, initial_clip=0.7)
     zeros = [torch.zeros(4, 100_000, dtype=torch.float64), torch.zeros(4, 100_000, dtype=torch.float64)]
-    w = rule.weights(torch.ones(4, dtype=torch.float64))
     gen = torch.Generator().manual_seed(0)
-    noisy = private_step.sanitise(zeros, w, rule.noise_stds(), expected_batch_size=1.0, generator=gen)
+    noisy = step.sanitise(TensorSource(zeros), rule, expected_batch_size=1.0, add_noise=step.gaussian_noise(gen)).sums
     grad_noise = torch.cat([s[0].flatten() for s in noisy])
     dir_noise = torch.cat([s[1].flatten() for s in noisy])
     n = grad_noise.numel()
@@ -97,16 +98,20 @@ def test_noise_standard_deviations():
 
 def test_division_by_expected_not_actual_batch_size():
     samples = [torch.ones(3, 2, dtype=torch.float64) * 0.01]
-    w = torch.ones(3, 1, dtype=torch.float64)
-    out = private_step.sanitise(samples, w, torch.zeros(1, dtype=torch.float64), expected_batch_size=10.0)
+    rule = FixedThresholdClipping(noise_multiplier=1.0, clip=1.0)  # every weight 1: the norms are below the clip
+
+    def without_noise(sums, stds):  # the noise stage left out, to see the division alone
+        return sums
+
+    out = step.sanitise(TensorSource(samples), rule, expected_batch_size=10.0, add_noise=without_noise).sums
     torch.testing.assert_close(out[0][0], torch.full((2,), 0.003, dtype=torch.float64))
 
 
 def test_empty_batch_gives_pure_noise():
     rule = OSOClipping(noise_multiplier=1.0, initial_clip=2.0)
     samples = [torch.zeros(0, 50_000)]
-    norms = private_step.per_sample_norms(samples)
-    out = private_step.sanitise(samples, rule.weights(norms), rule.noise_stds(), 4.0, torch.Generator().manual_seed(1))
+    noise = step.gaussian_noise(torch.Generator().manual_seed(1))
+    out = step.sanitise(TensorSource(samples), rule, 4.0, add_noise=noise).sums
     assert out[0].shape == (2, 50_000)
     assert out[0][0].std().item() == pytest.approx(2.0 * rule.gradient_noise_multiplier / 4.0, rel=0.03)
 

@@ -1,0 +1,214 @@
+"""The fast path's hooks: what one backward pass leaves for the per-sample norms and weighted sums, and their
+computation layer by layer.
+
+Per layer that owns trainable parameters, a forward hook keeps the layer's input ``a`` and a tensor hook the gradient
+``b`` of the loss with respect to the layer's output (for a mean loss, ``n b_i`` is sample ``i``'s own; the factor
+``n`` is applied to the norms and the weights, not to ``b``). The layer's function from the registry (``registry``:
+linear, conv, embedding, normalisation layers) turns them into its part of the norms and sums; a layer the registry
+does not cover goes to Opacus' per-sample gradient function (``fallback``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_oso.per_sample import norm_bounds as nb
+from lightning_oso.per_sample.fallback import opacus_fallback
+from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_parts
+from lightning_oso.per_sample.registry import fast_path
+
+
+def _aliases_only(module: nn.Module) -> bool:
+    """Whether every parameter ``module`` registers is also registered by one of its submodules: a container that
+    renames its children's parameters (Opacus' ``DPLSTM`` exposes ``l0.ih.weight`` as ``weight_ih_l0``). The
+    submodules compute; the container is not a layer of its own."""
+    inner = {id(p) for sub in module.modules() if sub is not module for p in sub.parameters(recurse=False)}
+    return all(id(p) in inner for p in module.parameters(recurse=False))
+
+
+class BookKeeping:
+    """Hooks on every layer of ``module`` that owns trainable parameters, and the per-sample norms and weighted sums
+    of the last backward pass computed from what they kept.
+
+    Args:
+        module: the model (its class and forward stay as they are).
+        loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch (a mean loss's output gradients
+            are multiplied by the batch size, so that each sample's is its own loss's gradient).
+
+    Use per step: backward, then :meth:`norms`, then :meth:`weighted_sums` with the rule's weights, then
+    :meth:`clear`.
+    """
+
+    def __init__(self, module: nn.Module, loss_reduction: str = "mean") -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
+        self.layers = [
+            m
+            for m in module.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False)) and not _aliases_only(m)
+        ]
+        owners: dict[int, str] = {}
+        names = {id(m): name for name, m in module.named_modules()}
+        for layer in self.layers:
+            for p in layer.parameters(recurse=False):
+                if p.requires_grad and id(p) in owners:
+                    raise ValueError(
+                        f"layers {owners[id(p)]!r} and {names[id(layer)]!r} share a parameter: the book-keeping path "
+                        "computes per-sample norms layer by layer and cannot combine one parameter's gradients across "
+                        "layers. Pass grad_sample_mode='hooks' to the DP callback (Opacus' hooks add them up)."
+                    )
+                owners[id(p)] = names[id(layer)]
+        #: ids of every parameter the hooked layers own: those this object can give sums for
+        self.covered = set(owners)
+        # what computes each layer's part: decided once, not per step
+        self._kinds = {layer: fast_path(layer) for layer in self.layers}
+        self._inputs: dict[nn.Module, list[tuple]] = {}
+        self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
+        self._computed: dict[nn.Module, Any] | None = None
+        self._frozen: dict[nn.Module, list[nn.Parameter]] | None = None  # per layer, while frozen
+        self._computing = False
+        self._anchors: dict[tuple, Tensor] = {}
+        self.clear()
+        self._handles = [layer.register_forward_hook(self._capture_input) for layer in self.layers]
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters of the hooked layers (frozen ones included, see :meth:`freeze`)."""
+        if self._frozen is not None:
+            return [p for params in self._frozen.values() for p in params]
+        return [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
+
+    def remove(self) -> None:
+        self.unfreeze()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.clear()
+
+    def clear(self) -> None:
+        self._inputs, self._backprops, self._computed = {}, {}, None
+        self._eager: dict[nn.Module, Any] = {}
+        self.batch_size: int | None = None  # of the last backward pass; None if no hooked layer received a gradient
+        self.several_backward_passes = False
+
+    # --- hooks
+    def freeze(self) -> None:
+        """Switch autograd's own gradients off for the hooked layers' parameters until :meth:`unfreeze`.
+
+        The private step replaces them anyway: what it needs comes from the hooks, so skipping them saves a
+        weight-gradient product per layer (a third of the backward pass) and the ``.grad`` buffers. The hooked
+        layers' outputs are made to require gradients so that backward still reaches every one of them.
+        """
+        if self._frozen is None:
+            self._frozen = {
+                layer: [p for p in layer.parameters(recurse=False) if p.requires_grad] for layer in self.layers
+            }
+            self._set_requires_grad(self.parameters, False)
+
+    def unfreeze(self) -> None:
+        if self._frozen is not None:
+            self._set_requires_grad(self.parameters, True)
+            self._frozen = None
+
+    @staticmethod
+    def _set_requires_grad(params: Iterable[nn.Parameter], value: bool) -> None:
+        for p in params:
+            p.requires_grad_(value)
+
+    def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> Tensor | None:
+        if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
+            return None  # evaluation, or a fallback sampler re-running the layer
+        replaced = None
+        if self._frozen is not None and not output.requires_grad and output.is_floating_point():
+            # a first layer: neither its input nor its (frozen) parameters need a gradient, so backward would stop
+            # short of it. Adding a zero that requires one makes the output a non-leaf that does (an in-place op
+            # after the layer, e.g. ReLU(inplace=True), stays legal, as it would not on a leaf).
+            output = replaced = output + self._anchor(output)
+        if not output.requires_grad:
+            return None  # a forward that backward will not reach
+        calls = self._inputs.setdefault(layer, [])
+        calls.append(tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs))
+        output.register_hook(functools.partial(self._capture_backprop, layer, len(calls) - 1))
+        return replaced
+
+    def _anchor(self, like: Tensor) -> Tensor:
+        key = (like.device, like.dtype)
+        if key not in self._anchors:
+            self._anchors[key] = torch.zeros((), device=like.device, dtype=like.dtype, requires_grad=True)
+        return self._anchors[key]
+
+    def _capture_backprop(self, layer: nn.Module, call: int, grad: Tensor) -> None:
+        grad = grad.detach()  # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here
+        self.batch_size = grad.shape[0]
+        calls = self._backprops.setdefault(layer, {})
+        if call in calls or layer in self._eager:  # a second backward pass over one forward
+            self.several_backward_passes = True
+            return
+        calls[call] = grad
+        if len(self._inputs[layer]) == 1:
+            # the usual single call: compute this layer's part now, during backward, and let go of its input and
+            # output gradient (an instantiating layer keeps only its per-sample gradients, often far smaller)
+            self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad])
+            self._inputs[layer], self._backprops[layer] = [], {}
+
+    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Any:
+        # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
+        # of this layer's parameters while its part is computed
+        frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
+        kind = self._kinds[layer]
+        self._computing = True
+        try:
+            self._set_requires_grad(frozen, True)
+            with torch.no_grad():
+                if kind is None:
+                    return opacus_fallback(layer, inputs, backprops)
+                # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
+                inputs = [tuple(at_least_float32(x) for x in call) for call in inputs]
+                return kind(layer, inputs, [at_least_float32(g) for g in backprops])
+        finally:
+            self._set_requires_grad(frozen, False)
+            self._computing = False
+
+    # --- what the private step asks
+    def _compute(self) -> dict[nn.Module, Any]:
+        if self._computed is None:
+            self._computed = dict(self._eager)
+            for layer, calls in self._backprops.items():
+                if calls:  # a layer called several times: its calls' positions are combined here
+                    inputs = [self._inputs[layer][i] for i in sorted(calls)]
+                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)])
+        return self._computed
+
+    @property
+    def _loss_scale(self) -> float:
+        """Sample ``i``'s own loss gradient is ``n`` times its share of a mean loss's (everything here is linear in
+        the output gradients, so the factor moves onto the norms and the weights)."""
+        return float(self.batch_size or 1) if self.loss_reduction == "mean" else 1.0
+
+    def norms(self) -> Tensor:
+        """``||g_i||`` over all trainable parameters of the hooked layers, shape ``[n]``."""
+        computed = self._compute()
+        if not computed:
+            raise RuntimeError("no layer received a gradient in the last backward pass")
+        parts = list(computed.values())
+        # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
+        # root and scaling are rounded up, and so is the result, to the compute dtype
+        total = sum_parts([c.sq_norms() for c in parts]).sqrt() * (1.0 + 2 * U64) * self._loss_scale * nb.F64
+        dtype = functools.reduce(torch.promote_types, [c.dtype for c in parts], torch.float32)
+        return nb.round_up(total, dtype)
+
+    def weighted_sums(self, params: Iterable[Tensor], weights: Tensor) -> list[Tensor]:
+        """``sum_i weights[i, k] g_i`` per parameter in ``params``, shape ``[k, *param.shape]`` (zeros for a
+        parameter no sample's gradient reached)."""
+        sums: Sums = {}
+        scaled = weights * self._loss_scale
+        for computed in self._compute().values():
+            sums.update(computed.weighted_sums(scaled))
+        k = weights.shape[1]
+        return [sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params]

@@ -1,0 +1,156 @@
+"""``nn.Linear``, and every layer whose weight gradient is an outer-product sum over positions (a convolution's
+ghost norm, over unfolded patches): ``G_i = sum_t b_it a_it^T``, so
+
+- ghost norm: ``||G_i||^2 = sum_{t,s} (a_it . a_is)(b_it . b_is)``, cost ``~ T^2 (d_in + d_out)`` per sample;
+- book-keeping: ``sum_i W_ik G_i = sum_{i,t} (W_ik b_it) a_it^T``, all ``k`` columns of the rule's weight matrix
+  ``W`` in one matrix product, each read of ``a`` serving both of OSO's sums (docs/algorithms.md, "OSO-DPSGD").
+
+Where ``T (d_in + d_out) > d_in d_out`` (long sequences, few features) ``G_i`` is instantiated instead (cost
+``~ T d_in d_out``, as Opacus does) and both its norm and the sums are taken from it. The norm bounds are those of
+the package docstring (docs/algorithms.md, "Sensitivity of the fast path").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_oso.per_sample import norm_bounds as nb
+from lightning_oso.per_sample.parts import U64, Sums, as_sequence, cat_positions, sum_parts
+from lightning_oso.per_sample.registry import register_fast_path
+
+
+@register_fast_path(nn.Linear)
+def linear(layer: nn.Linear, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct:
+    a = cat_positions([as_sequence(x[0]) for x in inputs])
+    b = cat_positions([as_sequence(g) for g in backprops])
+    return OuterProduct(layer.weight, layer.bias, a, b)
+
+
+class OuterProduct:
+    """A layer whose weight gradient is ``G_i = sum_t b_it a_it^T`` (``a``: ``[n, T, d_in]``, ``b``: ``[n, T,
+    d_out]``) and whose bias gradient is ``sum_t b_it``."""
+
+    def __init__(self, weight: Tensor | None, bias: Tensor | None, a: Tensor, b: Tensor) -> None:
+        self.weight = weight if weight is not None and weight.requires_grad else None
+        self.bias = bias if bias is not None and bias.requires_grad else None
+        self.a, self.b = a.to(b.dtype), b
+        self.dtype = b.dtype
+        _, t, d_in = a.shape
+        d_out = b.shape[2]
+        self.ghost = t * (d_in + d_out) <= d_in * d_out  # ghost norm is cheaper than instantiation
+        self.per_sample_weight = None
+        if self.weight is not None and not self.ghost and t > 1:
+            self.per_sample_weight = torch.bmm(self.b.transpose(1, 2), self.a)  # [n, d_out, d_in]
+        self.per_sample_bias = self.b.sum(dim=1) if self.bias is not None else None
+
+    def sq_norms(self) -> Tensor:
+        """Upper bounds (float64) of ``||G_i||^2 + ||bias_i||^2``, exact arithmetic, for each sample.
+
+        With ``u`` the unit roundoff, ``tau`` the underflow term and ``R = sum_t ||a_t|| ||b_t||``, which bounds
+        ``||G_i||`` without cancellation (triangle inequality):
+
+        - ghost norm (``T > 1``), on each sample's ``a`` and ``b`` scaled by powers of two (``nb.Scaled``; entries at
+          most ``M = 4``), per-position norms from the Gram matrices' diagonals: the computed ``S^ = sum_{t,s}
+          fl(fl(a_t.a_s) fl(b_t.b_s))`` (Gram matrices by one matrix product each, their product and the sum over
+          ``s`` in the compute dtype, the sum over ``t`` in float64) is within ``eps R^2 + eta`` of the exact
+          ``||G_i||^2``, with ``eps = (1 + alpha_in)(1 + alpha_out)(1 + u)(1 + gamma_T)(1 + gamma64_T) - 1``, ``alpha``
+          the dot products' error (``nb.kernel_error``, TF32 or bfloat16 input rounding included where allowed) and
+          ``eta = 2 T^2 (3 d_in d_out M^2 + 2) tau`` the underflow of every product. The bound is ``min(R^2, max(S^,
+          0) + eps R^2 + eta)``, plus the scaling's underflow (``3 M T sqrt(d_in d_out) tau`` on the norm). A record
+          whose positions cancel gets at least ``eps R^2``: it is clipped as if its norm were ``sqrt(eps) R``, never
+          as if it were the rounding residue.
+        - one position: ``||G_i|| = ||a|| ||b||`` exactly (times ``1 + alpha_1``, plus underflow, for the held
+          product), from whole-sample norms (``nb.sq_norm_upper``).
+        - instantiated (``G^`` held, a rounded sum over ``T`` positions, ``|G^ - G| <= alpha_T R + eta`` entrywise in
+          norm): ``min((1 + alpha_T) R, ||G^|| + alpha_T R) + eta``, which bounds both the exact ``G_i`` and the held
+          ``G^`` (the one the sums are made of); here ``R <= ||a|| ||b||`` (Cauchy-Schwarz), as it only sizes the
+          rounding slack.
+        - bias ``sum_t b_t``, a sum over positions: ``_sum_over_positions_bound``.
+        """
+        _, t, d_in = self.a.shape
+        d_out = self.b.shape[2]
+        dtype, device = self.b.dtype, self.b.device
+        u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
+        u_mm = nb.input_roundoff(device, "matmul")
+        ghost = self.weight is not None and self.per_sample_weight is None and t > 1
+        parts = []
+        if ghost:
+            sa, sb = nb.Scaled(self.a), nb.Scaled(self.b)
+            finite = sa.finite & sb.finite
+            # per-position norms from the Gram matrices' diagonals: no further pass over a and b
+            gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
+            norms_a = nb.gram_row_norms_upper(gram, d_in, nb.kernel_error(d_in, u, u_mm))
+            gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
+            norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
+            ghost_sum = gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)
+            del gram, gram_b
+            r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, U64)) * nb.F64).square_().mul_(nb.F64)
+            eps = (1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u) * (
+                1 + nb.gamma(t, u)
+            ) * (1 + nb.gamma(t, U64)) - 1
+            eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
+            if math.isfinite(eps):
+                r2 = torch.minimum(r2, ghost_sum.clamp_min_(0).add_(r2, alpha=eps).add_(eta))
+            bound = r2.sqrt_().mul_(nb.F64).add_(3 * m * t * math.sqrt(d_in * d_out) * tau)
+            parts.append(nb.times(bound, sa.factor * sb.factor, dtype).square_().mul_(nb.F64))
+            if self.bias is not None:
+                positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)
+                positions = positions.mul_((1.0 + nb.gamma(t, U64)) * nb.F64)  # >= sum_t ||b_t||
+                parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
+            return nb.with_nan(sum_parts(parts), finite)
+        # one position, or G^ instantiated: whole-sample norms (cheap, no scaling: nb.sq_norm_upper), and
+        # R = sum_t ||a_t|| ||b_t|| <= ||a|| ||b|| (Cauchy-Schwarz) where it only sizes a rounding slack
+        norm_b = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.F64)  # NaN where b is not finite
+        if self.weight is not None:
+            norm_a = nb.sq_norm_upper(self.a).sqrt_().mul_(nb.F64)
+            r = norm_a * norm_b  # = ||G_i|| for one position
+            # underflow of each product (and flushed subnormal inputs, at most tiny times the other factor)
+            underflow = (norm_a + norm_b).add_(2).mul_(math.sqrt(d_in * d_out) * t * tau)
+            alpha = nb.kernel_error(t, u, u_mm)
+            if self.per_sample_weight is None:  # one position: G^ = fl(b a^T) or exact, one rounding
+                bound = r.mul_((1 + alpha) * nb.F64).add_(underflow)
+            else:
+                held = nb.sq_norm_upper(self.per_sample_weight).sqrt_().mul_(nb.F64)
+                bound = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(underflow)
+            parts.append(bound.square_().mul_(nb.F64))
+        if self.bias is not None:
+            positions = norm_b * (math.sqrt(t) * nb.F64)  # >= sum_t ||b_t|| (Cauchy-Schwarz)
+            parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
+        return sum_parts(parts)
+
+    def _bias_bound(self, positions: Tensor, u: float, tau: float) -> Tensor:
+        assert self.per_sample_bias is not None  # set whenever the bias is trained
+        return _sum_over_positions_bound(positions, self.per_sample_bias, self.b.shape[1], u, tau)
+
+    def weighted_sums(self, weights: Tensor) -> Sums:
+        weights = weights.to(self.b.dtype)
+        sums: Sums = {}
+        if self.weight is not None:
+            if self.per_sample_weight is not None:
+                flat = torch.einsum("nk,noi->koi", weights, self.per_sample_weight)
+            else:
+                n, t, d_out = self.b.shape
+                k = weights.shape[1]
+                # [k, d_out, n T] @ [n T, d_in]: every column of W in one product, one read of a
+                scaled = (weights.t()[:, :, None, None] * self.b).reshape(k, n * t, d_out)
+                flat = torch.matmul(scaled.transpose(1, 2), self.a.reshape(n * t, self.a.shape[2]))
+            sums[self.weight] = flat.reshape(weights.shape[1], *self.weight.shape)
+        if self.bias is not None:
+            assert self.per_sample_bias is not None  # set whenever the bias is trained
+            sums[self.bias] = weights.t() @ self.per_sample_bias
+        return sums
+
+
+def _sum_over_positions_bound(positions: Tensor, summed: Tensor, t: int, u: float, tau: float) -> Tensor:
+    """Bound (float64 ``[n]``) of the norms of both ``beta = sum_t b_t`` (exact) and ``summed`` = fl(``beta``) (a
+    rounded sum over ``t`` positions: ``|fl - exact| <= gamma_t sum_t |b_t| + t tiny`` entrywise), given
+    ``positions`` (float64 ``[n]``) ``>= sum_t ||b_t||``. A bias gradient, which can cancel across positions."""
+    if t == 1:
+        return positions
+    g_t = nb.gamma(t, u)
+    absolute = t * math.sqrt(math.prod(summed.shape[1:])) * tau
+    computed = nb.sq_norm_upper(summed).sqrt_().mul_(nb.F64)
+    return torch.minimum(positions * (1.0 + g_t), computed.add_(positions, alpha=g_t)).add_(absolute)

@@ -1,0 +1,115 @@
+"""``nn.LayerNorm`` and ``nn.GroupNorm``: small per-sample gradients (``[n, C]``), always instantiated, their sums
+over positions taken by blocks so that their rounding stays bounded
+(docs/algorithms.md, "Sensitivity of the fast path")."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_oso.per_sample import norm_bounds as nb
+from lightning_oso.per_sample.parts import U64, Instantiated, accumulate
+from lightning_oso.per_sample.registry import register_fast_path
+
+
+@register_fast_path(nn.LayerNorm)
+def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    parts = []
+    size = math.prod(layer.normalized_shape)
+    for x, g in zip(inputs, backprops):
+        x_hat = F.layer_norm(x[0].to(g.dtype), layer.normalized_shape, eps=layer.eps)
+        n = g.shape[0]
+        positions = math.prod(g.shape[1 : g.dim() - len(layer.normalized_shape)])
+        parts.append((x_hat.reshape(n, positions, size), g.reshape(n, positions, size)))
+    return _normalisation(layer, parts, tuple(layer.normalized_shape), position_dim=1)
+
+
+@register_fast_path(nn.GroupNorm)
+def group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    parts = []
+    for x, g in zip(inputs, backprops):
+        x_hat = F.group_norm(x[0].to(g.dtype), layer.num_groups, eps=layer.eps)
+        n, channels = g.shape[:2]
+        positions = math.prod(g.shape[2:])
+        parts.append((x_hat.reshape(n, channels, positions), g.reshape(n, channels, positions)))
+    return _normalisation(layer, parts, (layer.num_channels,), position_dim=-1)
+
+
+def _normalisation(
+    layer: nn.LayerNorm | nn.GroupNorm, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
+) -> Instantiated:
+    """LayerNorm/GroupNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat`` as the
+    layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t * b_t``, the
+    bias's ``sum_t b_t``, sums over positions that can cancel. Each is summed by ``_sum_over_positions`` (float64 in the
+    end) after one rounded product, so ``G64`` is within ``err sum_t |term_t|`` (entrywise, plus ``T tiny`` of
+    underflow) of the exact sum, and is held in the compute dtype (``G``, within ``u |G64|`` and ``tiny``). The bound
+    ``(||G64|| + err ||sum_t |term_t| ||) (1 + u) + sqrt(D) tiny`` covers both the exact gradient and ``G``."""
+    dtype = parts[0][1].dtype
+    u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+    width = math.prod(shape)
+    grads64: dict[Tensor, Tensor] = {}
+    spread: dict[Tensor, Tensor] = {}
+    positions = sum(x_hat.shape[position_dim] for x_hat, _ in parts)
+    err = 0.0
+    for x_hat, b in parts:
+        n = b.shape[0]
+        buffer = None
+        for param, rounded in ((layer.weight, True), (layer.bias, False)):
+            if param is None or not param.requires_grad:
+                continue
+            term = x_hat.mul_(b) if rounded else b  # x_hat is this function's own copy: multiplied in place
+            summed, call_err = _sum_over_positions(term, position_dim)
+            err = max(err, (1 + call_err) * (1 + u) - 1 if rounded else call_err)
+            accumulate(grads64, param, summed.reshape(n, *shape))
+            buffer = term.abs_() if rounded else torch.abs(term, out=buffer)  # no new tensor of this size
+            accumulate(spread, param, _positive_sum_upper(buffer, position_dim).reshape(n, *shape))
+    err = (1 + err) * (1 + nb.gamma(len(parts), U64)) - 1  # the sum over calls
+    grads: dict[Tensor, Tensor] = {}
+    bounds: dict[Tensor, Tensor] = {}
+    for p, g64 in grads64.items():
+        magnitude = nb.sq_norm_upper(spread[p]).sqrt_().mul_(nb.F64)
+        held = nb.sq_norm_upper(g64).sqrt_().mul_(nb.F64)
+        slack = magnitude.mul_(err).add_(2 * positions * math.sqrt(width) * tau)
+        bounds[p] = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
+        grads[p] = g64.to(dtype)
+    return Instantiated(grads, bounds=bounds)
+
+
+_BLOCK = 32  # positions summed in float32 before the blocks' sums go to float64 (``_sum_over_positions``)
+
+
+def _sum_over_positions(x: Tensor, dim: int) -> tuple[Tensor, float]:
+    """``x.sum(dim)`` in float64 (``x`` float32 or float64, ``dim`` 1 or -1), by blocks of ``_BLOCK`` positions summed
+    in ``x``'s dtype, then the blocks in float64: within ``err * sum |x|`` of the exact sum, entrywise, where ``err``
+    (the second value) is ``(1 + gamma_BLOCK)(1 + gamma64_blocks) - 1``: a sum of many positions costs ``~32 u``, not
+    ``T u``, and a float64 pass over only ``1/32`` of the data."""
+    positions = x.shape[dim]
+    full = positions // _BLOCK * _BLOCK
+    parts = []
+    if full:
+        body = x.narrow(dim, 0, full)
+        if dim == 1:
+            parts.append(body.reshape(x.shape[0], full // _BLOCK, _BLOCK, *x.shape[2:]).sum(dim=2))
+        else:
+            parts.append(body.reshape(*x.shape[:-1], full // _BLOCK, _BLOCK).sum(dim=-1))
+    if full < positions:
+        parts.append(x.narrow(dim, full, positions - full).sum(dim=dim, keepdim=True))
+    blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    u = nb.unit_roundoff(x.dtype)
+    err = (1 + nb.gamma(min(positions, _BLOCK), u)) * (1 + nb.gamma(blocks.shape[dim], U64)) - 1
+    return blocks.double().sum(dim=dim), err
+
+
+def _positive_sum_upper(x: Tensor, dim: int) -> Tensor:
+    """An upper bound (float64) of ``x.sum(dim)`` for ``x >= 0``: the float sum within ``gamma_T`` relative (plus
+    ``T tiny`` where additions flush to zero), or ``_sum_over_positions``'s where ``gamma_T`` is unbounded."""
+    positions = x.shape[dim]
+    g = nb.gamma(positions, nb.unit_roundoff(x.dtype))
+    tau = nb.tiny(x.dtype)
+    if math.isfinite(g):
+        return x.sum(dim=dim).double().add_(positions * tau).mul_(nb.F64 / (1 - g))
+    total, err = _sum_over_positions(x, dim)
+    return total.add_(positions * tau).mul_(nb.F64 / (1 - err))

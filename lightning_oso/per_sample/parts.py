@@ -1,0 +1,124 @@
+"""Per-sample gradients held explicitly, and what every layer's part of the norms and sums shares.
+
+A *layer part* is what one hooked layer hands to the private step after backward: float64 upper bounds of its
+parameters' squared per-sample norms (``sq_norms``) and the weighted sums of its per-sample gradients
+(``weighted_sums``). The layer files (``linear``, ``conv``, ``embedding``, ``normalisation``, ``fallback``) build
+them; :class:`Instantiated` is the part of a layer whose per-sample gradients are held as tensors.
+
+:func:`per_sample_norms` and :func:`weighted_sums` do the same for a whole model's per-sample gradients held as
+tensors (Opacus' ``p.grad_sample``, or a test's): the reference the fast path is checked against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_oso.per_sample import norm_bounds as nb
+
+#: One layer part's weighted sums: per parameter (keyed as a tensor, as torch types a module's parameters),
+#: ``[k, *param.shape]``.
+Sums = dict[Tensor, Tensor]
+
+U64 = nb.unit_roundoff(torch.float64)
+
+
+class LayerPart(Protocol):
+    """What a layer's function (see ``registry``) returns: its share of the per-sample norms and sums."""
+
+    dtype: torch.dtype
+
+    def sq_norms(self) -> Tensor:
+        """Float64 upper bounds, shape ``[n]``, of the squared per-sample norms over the layer's parameters."""
+        ...
+
+    def weighted_sums(self, weights: Tensor) -> Sums:
+        """``sum_i weights[i, k] g_i`` for each of the layer's parameters, shape ``[k, *param.shape]``."""
+        ...
+
+
+class Instantiated:
+    """Per-sample gradients held explicitly, ``{param: [n, *param.shape]}``: the released sums are made of them.
+
+    A parameter's norm bound is that of the held tensor (a sum of squares: ``nb.sq_norm_upper``), or ``bounds[param]``
+    (float64 ``[n]``, of the norm) where the layer computed a bound of its own: where the held tensor is a rounded sum
+    over positions that can cancel, whose bound must also cover the exact gradient."""
+
+    def __init__(self, grads: dict[Tensor, Tensor], bounds: dict[Tensor, Tensor] | None = None) -> None:
+        self.grads = grads
+        self.bounds = bounds or {}
+        self.dtype = next(iter(grads.values())).dtype if grads else torch.float32
+
+    def sq_norms(self) -> Tensor:
+        parts = []
+        for p, g in self.grads.items():
+            if p in self.bounds:
+                parts.append(self.bounds[p].square() * nb.F64)
+            else:
+                parts.append(nb.sq_norm_upper(g))
+        return sum_parts(parts)
+
+    def weighted_sums(self, weights: Tensor) -> Sums:
+        return {p: torch.einsum("nk,n...->k...", weights.to(g.dtype), g) for p, g in self.grads.items()}
+
+
+def sum_parts(parts: list[Tensor]) -> Tensor:
+    """Sum of float64 upper bounds, rounded up (``gamma_k`` of float64 over ``k`` terms)."""
+    return torch.stack(parts).sum(dim=0).mul_((1.0 + nb.gamma(len(parts), U64)) * nb.F64)
+
+
+# ----------------------------------------------------------------------------------------------------- shared helpers
+def cat_positions(parts: list[Tensor]) -> Tensor:
+    """Concatenate the positions of several calls of one layer (no copy for the usual single call)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def as_sequence(x: Tensor) -> Tensor:
+    """``[n, *positions, d] -> [n, T, d]`` (explicit sizes: ``-1`` is ambiguous for an empty batch)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+
+
+def at_least_float32(x: Any) -> Any:
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
+
+
+def accumulate(grads: dict[Tensor, Tensor], param: Tensor | None, value: Tensor) -> None:
+    if param is not None and param.requires_grad:
+        grads[param] = grads[param] + value if param in grads else value
+
+
+# ----------------------------------------------------------------------------------------------------- whole models
+def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
+    """L2 norm of each sample's gradient flattened over all parameters: ``||g_i||``, shape ``[n]``, in the dtype of the
+    per-sample gradients (at least float32).
+
+    Rounded upwards, never below the exact norm of the given tensors: each parameter's sum of squares is computed on
+    the sample's values scaled by a power of two (no overflow for finite values, ``norm_bounds.sq_norm_upper``) and
+    bounded with its relative rounding margin, and the sum, root and final rounding are made upwards. A sample with a
+    NaN/inf entry gets a NaN norm.
+
+    Example:
+        >>> import torch
+        >>> per_sample_norms([torch.tensor([[3.0], [0.0]]), torch.tensor([[4.0], [1.0]])])
+        tensor([5.0000, 1.0000])
+    """
+    squares = [nb.sq_norm_upper(g) for g in grad_samples]
+    total = torch.stack(squares, dim=0).sum(dim=0) * (1.0 + nb.gamma(len(squares), U64))
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grad_samples], torch.float32)
+    return nb.round_up(total.sqrt() * (1.0 + U64) * nb.F64, dtype)
+
+
+def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor]:
+    """``sum_i weights[i, k] * g_i`` for every column ``k`` at once, per parameter: shape ``[k, *param.shape]``.
+
+    One contraction per parameter reads the per-sample gradients once for all columns.
+    """
+    weights = weights.to(grad_samples[0].dtype) if grad_samples else weights
+    return [torch.einsum("nk,n...->k...", weights, g) for g in grad_samples]

@@ -1,0 +1,181 @@
+"""Where the private step reads a batch's per-sample norms and weighted sums from, one source per
+``grad_sample_mode``, and the hooks that fill them.
+
+- ``"book_keeping"`` (default): :class:`~lightning_oso.per_sample.hooks.BookKeeping`'s hooks, the fast path
+  (:class:`HookedSource`);
+- ``"hooks"``: Opacus' ``GradSampleHooks``, which leave every per-sample gradient in ``p.grad_sample``
+  (:class:`GradSampleSource`);
+- per-sample gradients already held as tensors (:class:`TensorSource`: tests, benchmarks, examples).
+
+A source answers, per step: :meth:`~PerSampleSource.norms`, then :meth:`~PerSampleSource.weighted_sums` with the
+clipping rule's weights, then :meth:`~PerSampleSource.release` (the private step, ``lightning_oso.step``, calls them
+in this order).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from torch import Tensor, nn
+
+from lightning_oso.per_sample.hooks import BookKeeping
+from lightning_oso.per_sample.parts import per_sample_norms, weighted_sums
+
+#: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
+GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
+
+#: The hooks of either mode, as :func:`attach` returns them.
+Hooks: TypeAlias = BookKeeping | GradSampleHooks
+
+
+class PerSampleSource(Protocol):
+    """One batch's per-sample norms and weighted sums, as the private step reads them."""
+
+    #: the number of samples (0 for an empty batch)
+    batch_size: int
+    #: whether no per-sample gradient reached any parameter (an empty batch, or a loss without them)
+    empty: bool
+
+    def norms(self) -> Tensor:
+        """``||g_i||`` over all parameters, shape ``[n]``: upper bounds of the exact norms, rounding included."""
+        ...
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        """``sum_i weights[i, k] g_i`` per parameter, shape ``[k, *param.shape]`` (zeros for an unused one)."""
+        ...
+
+    def release(self) -> None:
+        """Let go of the per-sample state of the batch (it must not mix into the next step)."""
+        ...
+
+
+def attach(module: nn.Module, mode: str, loss_reduction: str) -> Hooks:
+    """Attach the per-sample hooks of ``mode`` (one of ``GRAD_SAMPLE_MODES``) to ``module``, whose class and forward
+    stay as they are."""
+    if mode == "book_keeping":
+        return BookKeeping(module, loss_reduction=loss_reduction)
+    # Opacus' full backward hooks on the first layer fire although the input needs no gradient; harmless
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+    hooks = GradSampleHooks(module, batch_first=True, loss_reduction=loss_reduction, strict=False)
+    hooks.enable_hooks()
+    return hooks
+
+
+def detach(hooks: Hooks | None) -> None:
+    """Remove hooks that :func:`attach` attached (nothing for ``None``)."""
+    if isinstance(hooks, BookKeeping):
+        hooks.remove()
+    elif hooks is not None:
+        hooks.cleanup()
+
+
+def source(hooks: Hooks | None, params: Sequence[Tensor]) -> PerSampleSource:
+    """The source of the last backward pass's per-sample norms and sums for ``params``: from the fast path's
+    ``hooks``, or else from the per-sample gradients Opacus' hooks left in ``p.grad_sample``.
+
+    Raises:
+        RuntimeError: a parameter received a gradient but no per-sample gradient, or backward ran more than once.
+    """
+    if isinstance(hooks, BookKeeping):
+        return HookedSource(hooks, params)
+    return GradSampleSource(params)
+
+
+class GradSampleSource:
+    """Per-sample norms and sums from the per-sample gradients Opacus' hooks left in ``p.grad_sample``."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.params = list(params)
+        self.samples = [getattr(p, "grad_sample", None) for p in params]
+        for p, gs in zip(params, self.samples):
+            if gs is None and p.grad is not None:
+                raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))
+            if isinstance(gs, list):
+                raise RuntimeError(_SEVERAL_BACKWARDS)
+        self.present = [gs for gs in self.samples if gs is not None]
+        self.empty = not self.present
+        self.batch_size = self.present[0].shape[0] if self.present else 0
+
+    def norms(self) -> Tensor:
+        if self.present:
+            return per_sample_norms(self.present)
+        return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        full = [
+            gs if gs is not None else torch.zeros((weights.shape[0], *p.shape), dtype=p.dtype, device=p.device)
+            for p, gs in zip(self.params, self.samples)
+        ]
+        return weighted_sums(full, weights)
+
+    def release(self) -> None:
+        for p in self.params:
+            p.grad_sample = None  # type: ignore[attr-defined]  # Opacus' attribute, which torch's Tensor does not declare
+
+
+class HookedSource:
+    """Per-sample norms and sums from the fast path's hooks (:class:`~lightning_oso.per_sample.hooks.BookKeeping`)."""
+
+    def __init__(self, hooks: BookKeeping, params: Sequence[Tensor]) -> None:
+        self.hooks, self.params = hooks, list(params)
+        for p in params:
+            if id(p) not in hooks.covered and p.grad is not None:
+                raise RuntimeError(_NO_PER_SAMPLE.format(shape=tuple(p.shape)))
+        if hooks.several_backward_passes:
+            raise RuntimeError(_SEVERAL_BACKWARDS)
+        self.batch_size = hooks.batch_size or 0
+        self.empty = hooks.batch_size is None
+
+    def norms(self) -> Tensor:
+        if self.empty:
+            return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
+        return self.hooks.norms()
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        return self.hooks.weighted_sums(self.params, weights)
+
+    def release(self) -> None:
+        self.hooks.clear()
+
+
+class TensorSource:
+    """Per-sample norms and sums of per-sample gradients held as tensors, one ``[n, *param.shape]`` per parameter.
+
+    Example:
+        >>> import torch
+        >>> samples = TensorSource([torch.tensor([[3.0, 4.0], [0.0, 1.0]])])
+        >>> samples.norms()
+        tensor([5.0000, 1.0000])
+        >>> samples.weighted_sums(torch.tensor([[0.2], [1.0]]))
+        [tensor([[0.6000, 1.8000]])]
+    """
+
+    def __init__(self, grad_samples: Sequence[Tensor]) -> None:
+        self.grad_samples = list(grad_samples)
+        self.empty = not self.grad_samples
+        self.batch_size = self.grad_samples[0].shape[0] if self.grad_samples else 0
+
+    def norms(self) -> Tensor:
+        return per_sample_norms(self.grad_samples)
+
+    def weighted_sums(self, weights: Tensor) -> list[Tensor]:
+        return weighted_sums(self.grad_samples, weights)
+
+    def release(self) -> None:
+        """Nothing to let go of: the tensors belong to the caller."""
+
+
+_NO_PER_SAMPLE = (
+    "a parameter of shape {shape} received a gradient but no per-sample gradient: it is not inside the trained "
+    "LightningModule, or it is used outside the forward of the layer that owns it (e.g. a tied weight read "
+    "directly), where no per-sample hook can see it. Every optimised parameter must belong to a layer with "
+    "per-sample gradients."
+)
+_SEVERAL_BACKWARDS = (
+    "several backward passes before one optimizer step (gradient accumulation or a training_step calling backward "
+    "twice): not supported under DP"
+)

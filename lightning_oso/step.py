@@ -1,0 +1,252 @@
+"""One private step, as named stages on tensors (docs/algorithms.md, "OSO-DPSGD", steps 2-4):
+
+    norms -> weights -> weighted sums -> add noise -> reduce across processes -> scale
+
+:func:`sanitise` runs the stages in this order and returns a :class:`SanitisedStep`. It is the one path: the strategy
+(``lightning_oso.strategies``) calls it once per optimizer step and writes the sanitised gradient into the
+parameters; the tests call it too. The clipping rule (``lightning_oso.clipping``) says which weights the norms give
+and how much noise each query gets; the weight functions it uses are the ones below.
+
+What depends on the run comes in as small callables: the noise (drawn by rank 0 only, from a stream keyed on the
+ledger's executed-step counter), the sum across processes, the ledger's write-ahead record, and the refusal message.
+
+Every stage stays on the device of its inputs and reads nothing back to the host but one flag: whether a per-sample
+norm was non-finite, read after the sums and the noise are queued (on a GPU the device keeps working while the host
+waits). Such a step is refused on every process alike, before anything of it is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+from torch import Tensor
+
+from lightning_oso.errors import PrivateStepRefused
+from lightning_oso.randomness import SecureRandom, standard_normal_like
+
+if TYPE_CHECKING:
+    from lightning_oso.clipping import ClippingRule
+    from lightning_oso.per_sample import PerSampleSource
+
+#: ``(sums, stds) -> noisy sums``: Gaussian noise ``N(0, stds[k]^2)`` on row ``k`` of every sum.
+AddNoise = Callable[[list[Tensor], Tensor], list[Tensor]]
+#: ``tensors -> their sums over all processes`` (in place, same order).
+Reduce = Callable[[list[Tensor]], list[Tensor]]
+#: ``(non-finite norms on this process, batch size on this process)``: raise, the step is refused.
+Refuse = Callable[[int, int], NoReturn]
+
+
+@dataclass(frozen=True)
+class SanitisedStep:
+    """What one private step releases: noised, summed over all processes and divided by the expected batch size.
+
+    Attributes:
+        sums: per trainable parameter, the rule's sanitised vector queries, ``[k, *param.shape]``; row
+            ``gradient_row`` is the new gradient (OSO's row 1 is the direction query).
+        scalars: the rule's sanitised scalar queries, ``[m]`` (the quantile rule's centred count), or ``None``.
+        gradient_row: the row of ``sums`` that is the parameter's gradient (``ClippingRule.GRADIENT``).
+    """
+
+    sums: tuple[Tensor, ...]
+    scalars: Tensor | None
+    gradient_row: int = 0
+
+    @property
+    def gradients(self) -> list[Tensor]:
+        """The sanitised gradient of each parameter (row ``gradient_row`` of its sums)."""
+        return [s[self.gradient_row] for s in self.sums]
+
+
+def sanitise(
+    per_sample: PerSampleSource,
+    rule: ClippingRule,
+    expected_batch_size: float,
+    *,
+    add_noise: AddNoise,
+    sum_across_processes: Reduce | None = None,
+    record_step: Callable[[], None] | None = None,
+    refuse: Refuse | None = None,
+    observe_norms: Callable[[Tensor], None] | None = None,
+) -> SanitisedStep:
+    """One private step on this process's batch, from its per-sample gradients to the released queries.
+
+    Args:
+        per_sample: the batch's per-sample norms and weighted sums (``lightning_oso.per_sample``); released after the
+            sums are taken.
+        rule: the clipping rule: weights from the norms, noise stds, scalar queries.
+        expected_batch_size: ``B = qN`` over all processes, never the actual batch size (that is private).
+        add_noise: the noise stage, e.g. :func:`gaussian_noise`; the strategy's draws on rank 0 only, so that each
+            Gaussian is in the sum across processes exactly once.
+        sum_across_processes: adds up the queries (and the refusal flag) of all processes; ``None`` on one process.
+        record_step: the ledger's write-ahead record, called once the step is known to be released (after the
+            refusal check) and before anything of it is returned.
+        refuse: raises for a step with non-finite per-sample norms (default: :func:`refuse_step`, unnumbered).
+        observe_norms: opt-in, NOT private: sees the raw per-sample norms (the strategy's diagnostics).
+
+    Returns:
+        The released queries (:class:`SanitisedStep`).
+
+    Raises:
+        PrivateStepRefused: a per-sample gradient on some process is not finite (NaN or inf); nothing is released and
+            ``record_step`` is not called.
+
+    Example:
+        >>> import torch
+        >>> from lightning_oso.clipping import FixedThresholdClipping
+        >>> from lightning_oso.per_sample import TensorSource
+        >>> batch = TensorSource([torch.randn(3, 4, 5), torch.randn(3, 5)])  # 3 samples, 2 parameters
+        >>> rule = FixedThresholdClipping(noise_multiplier=1.0, clip=0.5)
+        >>> noise = gaussian_noise(torch.Generator().manual_seed(0))
+        >>> released = sanitise(batch, rule, expected_batch_size=4.0, add_noise=noise)
+        >>> [s.shape for s in released.sums], released.scalars  # one query (k = 1), no scalar query
+        ([torch.Size([1, 4, 5]), torch.Size([1, 5])], None)
+        >>> [g.shape for g in released.gradients]
+        [torch.Size([4, 5]), torch.Size([5])]
+    """
+    # norms -> weights
+    norms = per_sample.norms()
+    weights = rule.weights(norms)
+    if observe_norms is not None:
+        observe_norms(norms)
+    # -> weighted sums. Parameters not used in this step get zero sums, still noised: whether a parameter was used
+    # may depend on the data
+    sums = per_sample.weighted_sums(weights)
+    per_sample.release()
+    contributions = rule.scalar_queries(norms)
+    scalar_sums = [contributions.sum(dim=0)] if contributions is not None else []
+    # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
+    # released, not even noised over. The count travels with the sums, so every process refuses the same step.
+    nonfinite = count_nonfinite(norms)
+
+    # -> add noise
+    noisy = add_noise(sums, rule.noise_stds())
+    noisy_scalars = add_noise(scalar_sums, _scalar_stds(rule)) if scalar_sums else []
+
+    # -> reduce across processes (the refusal flag with them)
+    totals = [*noisy, *noisy_scalars, nonfinite.to(norms.dtype).reshape(1)]
+    if sum_across_processes is not None:
+        totals = sum_across_processes(totals)
+
+    # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while the
+    # host waits)
+    if bool(totals[-1].any()):
+        (refuse or refuse_step)(int(nonfinite), norms.shape[0])
+    # the write-ahead record: charged (and on disk) before anything of the step can leave this function
+    if record_step is not None:
+        record_step()
+
+    # -> scale
+    released = average(totals[: len(sums)], expected_batch_size)
+    scalars = average(totals[len(sums) : -1], expected_batch_size)[0] if scalar_sums else None
+    return SanitisedStep(sums=tuple(released), scalars=scalars, gradient_row=rule.GRADIENT)
+
+
+# ----------------------------------------------------------------------------------------------------- weights
+def _ratio(numerator: Tensor | float, norms: Tensor) -> Tensor:
+    """``numerator / norms`` (one correctly rounded division, within ``u`` relative of the exact ratio), with a
+    subnormal result flushed to 0: a subnormal's rounding is not relative, and 0 is the safe side. A zero norm
+    counts as the smallest normal one (its weight multiplies zeros)."""
+    tiny = torch.finfo(norms.dtype).tiny
+    ratio = numerator / norms.clamp_min(tiny)
+    return torch.where(ratio < tiny, torch.zeros_like(ratio), ratio)
+
+
+def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``."""
+    return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
+
+
+def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
+    """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
+    ``[n, 1]`` (docs/algorithms.md, "Quantile clipping"). Centring halves the sensitivity: adding or removing a record
+    moves the sum by 1/2."""
+    return ((norms <= clip).to(norms.dtype) - 0.5).unsqueeze(1)
+
+
+def oso_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """The two weight columns OSO needs, shape ``[n, 2]``.
+
+    Column 0 clips (eq. 4): ``gbar_i = g_i * min(1, C_t / ||g_i||)``.
+    Column 1 keeps the unit direction of the clipped samples only (eq. 11):
+    ``d_i = g_i / ||g_i||`` if ``||g_i|| > C_t`` else 0, so ``||d_i||`` is 0 or 1 and the sum has sensitivity 1.
+    """
+    # a zero gradient gets weight C/tiny (harmless, it multiplies zeros) instead of inf * 0 = nan
+    clip_weight = _ratio(clip, norms).clamp(max=1.0)
+    direction_weight = torch.where(norms > clip, _ratio(1.0, norms), torch.zeros_like(norms))
+    return torch.stack([clip_weight, direction_weight], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------- noise
+def add_gaussian_noise(
+    sums: Sequence[Tensor], stds: Tensor, generator: torch.Generator | SecureRandom | None = None
+) -> list[Tensor]:
+    """Add independent ``N(0, stds[k]^2 I)`` to row ``k`` of every parameter's sums (a new list; inputs untouched)."""
+    noisy = []
+    for s in sums:
+        noise = standard_normal_like(s, generator)
+        shape = (-1,) + (1,) * (s.dim() - 1)
+        noisy.append(noise.mul_(stds.to(s.dtype).reshape(shape)).add_(s))  # in place: no temporaries
+    return noisy
+
+
+def gaussian_noise(generator: torch.Generator | SecureRandom | None = None) -> AddNoise:
+    """The noise stage of one process that adds all the noise, drawing from ``generator`` (torch's default one for
+    ``None``)."""
+
+    def add_noise(sums: list[Tensor], stds: Tensor) -> list[Tensor]:
+        return add_gaussian_noise(sums, stds, generator)
+
+    return add_noise
+
+
+def _scalar_stds(rule: ClippingRule) -> Tensor:
+    stds = rule.scalar_noise_stds()
+    if stds is None:
+        raise ValueError(f"{type(rule).__name__} has scalar queries but no scalar_noise_stds")
+    return stds
+
+
+# ----------------------------------------------------------------------------------------------------- refusal
+def count_nonfinite(norms: Tensor) -> Tensor:
+    """The number of non-finite (NaN or inf) per-sample norms, as a 0-dim tensor on their device (no host read)."""
+    return (~torch.isfinite(norms)).sum()
+
+
+def refuse_step(nonfinite: int, size: int, step: int | None = None) -> NoReturn:
+    """Refuse a step whose per-sample norms are not all finite: ``nonfinite`` of this process's ``size`` samples (0:
+    another process's), in training step ``step``.
+
+    Raises:
+        PrivateStepRefused: always.
+    """
+    where = f"training step {step}" if step is not None else "this training step"
+    if nonfinite:
+        raise PrivateStepRefused(_NON_FINITE.format(count=nonfinite, size=size, where=where))
+    raise PrivateStepRefused(
+        f"{where} was refused by another process (non-finite per-sample gradients; its error says more): no process "
+        "applied it"
+    )
+
+
+_NON_FINITE = (
+    "the per-sample gradients of {count} of the {size} samples in {where} are not finite (NaN or inf): the step was "
+    "refused and training stopped, so no parameter, optimizer state or C_t was changed by it and nothing was "
+    "released (noising a NaN/inf over would not be private: its sensitivity is unbounded). Check the loss and the "
+    "data for NaN/inf values or lower the learning rate; a checkpoint from before this step resumes cleanly."
+)
+
+
+# ----------------------------------------------------------------------------------------------------- scale
+def average(sums: Sequence[Tensor], expected_batch_size: float) -> list[Tensor]:
+    """Division by the expected batch size ``B = qN``, never the actual one: that is private (docs/algorithms.md,
+    "What is private"). In place: the sums are the noisy ones, fresh tensors of the step."""
+    return [s.div_(expected_batch_size) for s in sums]
+
+
+def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """Inner product of two vectors stored as lists of per-parameter tensors (a 0-dim tensor on their device): the
+    OSO rule's update from released values."""
+    return torch.stack([torch.dot(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b)]).sum()  # no temporaries

@@ -1,0 +1,292 @@
+"""The private step's Lightning wiring, as a mixin for a ``Strategy``, in the order of
+(docs/algorithms.md, "OSO-DPSGD"):
+
+1. ``process_dataloader``: the training loader becomes a Poisson-sampled one (``data.poisson_loader``).
+2. Hooks attached to the user's module without wrapping it keep what backward needs for per-sample norms and sums
+   (``per_sample.attach``): each layer's input and output gradient (``per_sample.BookKeeping``, the default fast
+   path) or, with ``grad_sample_mode="hooks"``, every per-sample gradient (Opacus' hooks fill ``p.grad_sample``).
+3. ``optimizer_step`` runs Lightning's closure (forward + backward), then replaces every gradient by its
+   sanitised value (``step.sanitise``: per-sample norms -> the clipping rule's weights -> weighted sums -> noise ->
+   sum across processes -> division by ``B``), *before* the ``on_before_optimizer_step`` hooks and the optimizer
+   see it, then steps, then lets the rule update itself (``C_t``) and the learning rate (``rho_t``) from the
+   sanitised values.
+
+The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
+the accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+import torch
+from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_oso import checks, per_sample
+from lightning_oso.clipping import ClippingRule
+from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.ledger import RunLedger
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping
+from lightning_oso.per_sample.sources import Hooks
+from lightning_oso.randomness import NOISE, Generator, RunRandomness
+from lightning_oso.step import SanitisedStep, add_gaussian_noise, refuse_step, sanitise
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
+
+# The mixin comes before a Lightning Strategy in its subclasses' bases; type-checked as one (at run time a plain
+# class, so that the strategy's own base decides the method resolution order).
+if TYPE_CHECKING:
+    _StrategyBase = Strategy
+else:
+    _StrategyBase = object
+
+
+class PrivateTraining(_StrategyBase):
+    """The private step, as a mixin for a Lightning ``Strategy`` (single device, or one process of DDP).
+
+    It relies on the strategy's ``global_rank`` and ``world_size``: each process Poisson-samples its own shard of
+    the records, the weighted sums of all processes are added up, and rank 0 alone adds the noise, so every Gaussian
+    is added once globally and every process ends the step with the same sanitised values.
+    """
+
+    if TYPE_CHECKING:  # set by SingleDeviceStrategy, properties of ParallelStrategy
+        global_rank: int
+        world_size: int
+
+    def _init_privacy(self) -> None:
+        self.rule: ClippingRule | None = None  # the clipping rule; set by the DP callback before the first step
+        #: the run's random streams (noise and sampling, keyed per step); set by the DP callback
+        self.randomness: RunRandomness | None = None
+        #: the privacy ledger's step counter and write-ahead record; set by the DP callback
+        self.ledger: RunLedger | None = None
+        self.loss_reduction = "mean"
+        self.num_samples: int | None = None
+        self.expected_batch_size: float | None = None  # B = qN
+        self.sample_rate: float | None = None
+        self.grad_sample_mode = "book_keeping"
+        self._hooks: Hooks | None = None
+        self._batch_size: int | None = None
+        #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless
+        #: collect_diagnostics
+        self.collect_diagnostics = False
+        self._noise_stream: tuple[int, Generator] | None = None  # (step, generator) of the step being privatised
+        self._training_data: tuple[Any, Any] | None = None  # (dataset, collate_fn): the structure for the checks
+        self.diagnostics: dict[str, Tensor] = {}
+
+    @property
+    def adds_noise(self) -> bool:
+        """Whether this process draws the noise: rank 0 only, so each Gaussian is added once globally."""
+        return self.global_rank == 0
+
+    def sum_across_processes(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The sums of all processes (in place; identity on one process): one all-reduce per dtype."""
+        if self.world_size == 1:
+            return tensors
+        for dtype in {t.dtype for t in tensors}:
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            torch.distributed.all_reduce(flat)
+            for t, chunk in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(chunk.view_as(t))
+        return tensors
+
+    # ------------------------------------------------------------------ configuration from the callback
+    def configure_privacy(
+        self,
+        randomness: RunRandomness,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "book_keeping",
+    ) -> None:
+        """The run's random streams (``randomness.RunRandomness``: every step's noise and Poisson draw come from a
+        stream keyed on the ledger's step counter), the reduction of the user's loss over the batch, and how
+        per-sample norms and sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
+        self.randomness = randomness
+        self.loss_reduction = loss_reduction
+        self.grad_sample_mode = grad_sample_mode
+
+    @property
+    def privacy_configured(self) -> bool:
+        return self.randomness is not None
+
+    @property
+    def executed_steps(self) -> int:
+        """The ledger's executed-step counter (0 before the callback connects a ledger)."""
+        return self.ledger.steps if self.ledger is not None else 0
+
+    # ------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self.privacy_configured or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader  # validation / test / predict loaders: no privacy cost, left alone
+        if not isinstance(dataloader, torch.utils.data.DataLoader):
+            raise TypeError(
+                "the training data must come from a torch DataLoader to be Poisson-sampled; got "
+                f"{type(dataloader).__name__}"
+            )
+        self._training_data = (dataloader.dataset, dataloader.collate_fn)
+        loader = poisson_loader(
+            dataloader,
+            seed=self.randomness,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            first_step=self.executed_steps,
+        )
+        sampler = cast(PoissonBatchSampler, loader.batch_sampler)
+        self.num_samples = sampler.num_samples
+        self.sample_rate = sampler.sample_rate
+        # B = qN over all processes (docs/algorithms.md, "What is private")
+        self.expected_batch_size = self.sample_rate * self.num_samples
+        return loader
+
+    # ------------------------------------------------------------------ hooks
+    def attach_hooks(self) -> None:
+        """Attach the per-sample hooks to the user's module (its class and forward stay as they are)."""
+        if self._hooks is None and self.lightning_module is not None:
+            self._hooks = per_sample.attach(self.lightning_module, self.grad_sample_mode, self.loss_reduction)
+
+    def detach_hooks(self) -> None:
+        per_sample.detach(self._hooks)
+        self._hooks = None
+
+    @override
+    def teardown(self) -> None:
+        self.detach_hooks()
+        super().teardown()
+
+    @override
+    def on_train_start(self) -> None:
+        """Once per fit, before the first private step: the consistency checks of the model against the per-sample
+        path (``checks``), on a synthetic batch shaped like the first training record, never on a private one."""
+        super().on_train_start()
+        if self.rule is not None and self._hooks is not None and self._training_data is not None:
+            params = [p for group in self.optimizers[0].param_groups for p in group["params"] if p.requires_grad]
+            checks.check_before_training(self, params, *self._training_data)
+
+    # ------------------------------------------------------------------ the private step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        self._batch_size = _leading_dim(batch)
+        if isinstance(self._hooks, BookKeeping):
+            self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
+            self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self.rule is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        released: dict[str, SanitisedStep] = {}
+
+        def private_closure() -> Any:
+            try:
+                loss = closure()  # forward + backward: the hooks keep what the per-sample norms and sums need
+            finally:
+                if isinstance(self._hooks, BookKeeping):
+                    self._hooks.unfreeze()
+            released["step"] = self.privatise(optimizer)
+            return loss
+
+        result = super().optimizer_step(optimizer, private_closure, model, **kwargs)
+        # the rule learns from sanitised values only (docs/algorithms.md, "What is private"): post-processing, no
+        # privacy cost
+        lr_factor = self.rule.update(released["step"].sums, released["step"].scalars)
+        if lr_factor is not None:
+            for group in optimizer.param_groups:  # rho_t, applied multiplicatively (docs/algorithms.md, "OSO-DPSGD")
+                group["lr"] = group["lr"] * lr_factor
+        return result
+
+    def privatise(self, optimizer: torch.optim.Optimizer) -> SanitisedStep:
+        """Replace each trainable parameter's gradient by the sanitised clipped-gradient query.
+
+        Returns the released step (``step.SanitisedStep``): the sanitised vector queries per parameter
+        (``[k, *shape]``; row ``rule.GRADIENT`` is the new gradient) and the rule's sanitised scalar queries (``[m]``,
+        or ``None`` if it has none).
+        """
+        if self.rule is None or self.expected_batch_size is None:
+            raise RuntimeError("the private step needs a DP callback's rule and a Poisson-sampled training loader")
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        source = per_sample.source(self._hooks, params)
+        if source.empty and self._batch_size != 0:
+            raise RuntimeError(
+                "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
+                "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
+                "return the loss to backpropagate."
+            )
+        released = sanitise(
+            source,
+            self.rule,
+            self.expected_batch_size,
+            add_noise=self.add_noise,
+            sum_across_processes=self.sum_across_processes,
+            record_step=self.ledger.record_step if self.ledger is not None else None,
+            refuse=self._refuse_step,
+            observe_norms=self._observe_norms if self.collect_diagnostics else None,
+        )
+        # the ledger has charged the step (sanitise's write-ahead record): the gradients may now be written
+        for p, gradient in zip(params, released.gradients):
+            p.grad = gradient.to(p.dtype)
+        return released
+
+    def add_noise(self, sums: list[Tensor], stds: Tensor) -> list[Tensor]:
+        """Gaussian noise ``N(0, stds[k]^2)`` on row ``k`` of every sum, drawn by rank 0 only: the other processes add
+        nothing, so after the sum across processes each Gaussian is there exactly once."""
+        if not self.adds_noise:
+            return sums
+        return add_gaussian_noise(sums, stds, self._noise_generator())
+
+    def _noise_generator(self) -> Generator:
+        """This step's noise stream, keyed on the ledger's executed-step counter (never reused across steps,
+        resumes or crashes: see ``randomness``). Scalar queries draw from it after the vector ones."""
+        if self._noise_stream is None or self._noise_stream[0] != self.executed_steps:
+            if self.randomness is None:
+                raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
+            generator = self.randomness.generator(NOISE, self.executed_steps, device=self.root_device)
+            self._noise_stream = (self.executed_steps, generator)
+        return self._noise_stream[1]
+
+    def _refuse_step(self, nonfinite: int, size: int) -> NoReturn:
+        module = self.lightning_module
+        refuse_step(nonfinite, size, step=module.trainer.global_step if module is not None else None)
+
+    def _observe_norms(self, norms: Tensor) -> None:
+        if self.rule is not None:
+            self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
+
+
+def _nonprivate_diagnostics(norms: Tensor, clip: Tensor) -> dict[str, Tensor]:
+    """Statistics of the raw per-sample norms: NOT differentially private (logged only on explicit opt-in)."""
+    stats = {"batch_size": torch.tensor(float(norms.shape[0]))}
+    if norms.numel():
+        stats["clipped_fraction"] = (norms > clip).float().mean()
+        stats["grad_norm_median"] = norms.median().float()
+        stats["grad_norm_max"] = norms.max().float()
+    return stats
+
+
+def _leading_dim(batch: Any) -> int | None:
+    """Size of the first tensor's leading dimension in a (nested) batch, or None if it holds no tensor."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _leading_dim(item)
+            if size is not None:
+                return size
+    return None
