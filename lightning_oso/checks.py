@@ -130,7 +130,7 @@ def _synthetic(x: Any, generator: torch.Generator, size: int | None) -> Any:
     if isinstance(x, Mapping):
         items = {key: _synthetic(value, generator, size) for key, value in x.items()}
         try:
-            return type(x)(items)
+            return type(x)(items)  # type: ignore[call-arg]  # the batch's own mapping type, if it takes a dict
         except TypeError:
             return items
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
@@ -179,7 +179,7 @@ def _drop_first(batch: Any) -> Any:
     if isinstance(batch, Mapping):
         items = {key: _drop_first(value) for key, value in batch.items()}
         try:
-            return type(batch)(items)
+            return type(batch)(items)  # type: ignore[call-arg]  # the batch's own mapping type, if it takes a dict
         except TypeError:
             return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
@@ -374,7 +374,8 @@ def _isolated(strategy: Any, module: nn.Module) -> Iterator[None]:
     numpy_state = _numpy_state()
     try:
         with torch.random.fork_rng(devices=cuda):
-            module.log = module.log_dict = lambda *args, **kwargs: None  # Lightning forbids logging outside the loop
+            # Lightning forbids logging outside the loop; instance attributes shadow the methods until restored
+            module.__dict__["log"] = module.__dict__["log_dict"] = lambda *args, **kwargs: None
             for m in dropouts:
                 m.eval()  # the same masks for every record in both passes: no mask differs between them
             yield
@@ -414,9 +415,9 @@ def _reset_hooks(hooks: Any, module: nn.Module) -> None:
         return
     for m in module.modules():
         if hasattr(m, "activations"):
-            m.activations = []
+            m.__dict__["activations"] = []  # Opacus' hooks keep the captured inputs here
     for p in module.parameters():
-        p.grad_sample = None
+        p.__dict__["grad_sample"] = None
         if hasattr(p, "_current_grad_sample"):
             del p._current_grad_sample
         if hasattr(p, "_forward_counter"):

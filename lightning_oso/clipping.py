@@ -159,6 +159,8 @@ class FixedQuantileClipping(ClippingRule):
         return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)
 
     def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> None:
+        if scalars is None:
+            raise ValueError("the quantile rule learns from its sanitised count: pass the step's scalars")
         unclipped_fraction = scalars[self.COUNT].to(torch.float64) + 0.5  # b~_t (the 1/2 un-centres the count)
         self.clip = self.clip * torch.exp(-self.clip_lr * (unclipped_fraction - self.target_quantile))
         self.unclipped_fraction = unclipped_fraction
@@ -229,7 +231,7 @@ class OSOClipping(ClippingRule):
 
     def to(self, device: torch.device) -> OSOClipping:
         super().to(device)
-        if self.prev_gradient is not None:
+        if self.prev_gradient is not None and self.prev_direction is not None:
             self.prev_gradient = [t.to(device) for t in self.prev_gradient]
             self.prev_direction = [t.to(device) for t in self.prev_direction]
         return self
@@ -253,7 +255,7 @@ class OSOClipping(ClippingRule):
         """
         gradient = [s[self.GRADIENT] for s in sanitised]
         direction = [s[self.DIRECTION] for s in sanitised]
-        if self.prev_gradient is None:  # t = 1: q~_0 = g~_0 = 0, sign(0) = 0
+        if self.prev_gradient is None or self.prev_direction is None:  # t = 1: q~_0 = g~_0 = 0, sign(0) = 0
             lr_factor = torch.ones_like(self.clip)
         else:
             clip_sign = torch.sign(step.flat_dot(gradient, self.prev_direction)).to(self.clip.dtype)

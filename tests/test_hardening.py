@@ -1,5 +1,7 @@
 """Odd inputs (issue 5's hardening matrix, first part): each gets a clear error before harm, or a tested behaviour."""
 
+from typing import ClassVar
+
 import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_data, toy_loader
@@ -27,7 +29,7 @@ class SharedAcrossLayers(ToyModel):
 def test_parameter_shared_by_two_layers():
     """The fast path refuses it at fit start, naming the layers and the fix; Opacus' hooks add the layers' per-sample
     gradients up, and the consistency check (tests/test_checks.py) confirms they match autograd's."""
-    with pytest.raises(ValueError, match="layers 'a' and 'b' share a parameter.*grad_sample_mode='hooks'"):
+    with pytest.raises(ValueError, match=r"layers 'a' and 'b' share a parameter.*grad_sample_mode='hooks'"):
         make_trainer([_dp()], max_epochs=1).fit(SharedAcrossLayers(), toy_loader())
     dp = _dp(grad_sample_mode="hooks")
     make_trainer([dp], max_epochs=1).fit(SharedAcrossLayers(), toy_loader())
@@ -129,7 +131,7 @@ def test_validation_and_test_loops_cost_no_privacy_and_keep_nothing():
     alone."""
 
     class Evaluated(ToyModel):
-        kept = []
+        kept: ClassVar[list] = []
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
@@ -202,5 +204,5 @@ def test_iterable_dataset_is_refused_through_the_trainer():
         def __iter__(self):
             return iter(toy_data())
 
-    with pytest.raises(ValueError, match="IterableDataset, which cannot be Poisson-sampled .* map-style"):
+    with pytest.raises(ValueError, match=r"IterableDataset, which cannot be Poisson-sampled .* map-style"):
         make_trainer([_dp()], max_epochs=1).fit(ToyModel(), DataLoader(Stream(), batch_size=20))

@@ -155,11 +155,12 @@ def test_training_is_the_same_on_both_paths(method):
     results = {}
     for mode in ("book_keeping", "hooks"):
         kwargs = dict(target_epsilon=5.0, noise_multiplier=1.0, seed=7, grad_sample_mode=mode)
-        callback = {
-            "oso": lambda: OSODP(initial_clip=0.5, clip_lr=0.05, lr_lr=0.05, **kwargs),
-            "fixed": lambda: FixedThresholdDP(clip=0.5, **kwargs),
-            "quantile": lambda: FixedQuantileDP(target_quantile=0.5, count_noise_std=4.0, **kwargs),
-        }[method]()
+        if method == "oso":
+            callback = OSODP(initial_clip=0.5, clip_lr=0.05, lr_lr=0.05, **kwargs)
+        elif method == "fixed":
+            callback = FixedThresholdDP(clip=0.5, **kwargs)
+        else:
+            callback = FixedQuantileDP(target_quantile=0.5, count_noise_std=4.0, **kwargs)
         torch.manual_seed(0)
         model = ToyModel(net=nn.Sequential(nn.Linear(10, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 2)))
         make_trainer([callback], max_epochs=2).fit(model, toy_loader())

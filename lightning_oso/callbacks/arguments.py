@@ -131,7 +131,7 @@ def _document_shared_args(
     types = {name: getattr(kind, "__forward_arg__", kind) for name, kind in arguments.__annotations__.items()}
 
     def document(cls: _Class) -> _Class:
-        explicit = inspect.signature(cls.__init__).parameters
+        explicit = inspect.signature(cls).parameters  # the class's __init__ as a caller sees it
         named = [entry for name, entry in _SHARED_ARGS_DOC.items() if name in names and name in explicit]
         keyword = [
             entry.replace(f"{name}:", f"{name} ({types[name]}):", 1)
