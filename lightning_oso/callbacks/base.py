@@ -37,7 +37,7 @@ from lightning_oso.validation import (
 )
 
 if TYPE_CHECKING:
-    from lightning_oso.ledger import PrivacyLedger
+    from lightning_oso.accounting.ledger import PrivacyLedger
 
 
 @_document_shared_args
