@@ -5,7 +5,6 @@ from lightning_oso.accounting import (
     calibrate_noise_multiplier,
     compute_epsilon,
     max_steps_within_budget,
-    split_noise_multiplier,
 )
 from lightning_oso.callbacks import OSODP, PURDP, DPCallback, FixedQuantileDP, FixedThresholdDP
 from lightning_oso.clipping import (
@@ -14,6 +13,7 @@ from lightning_oso.clipping import (
     FixedThresholdClipping,
     OSOClipping,
     ScheduledNoiseClipping,
+    split_noise_multiplier,
 )
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.ddp import DPDDPStrategy

@@ -50,7 +50,7 @@ def test_secure_rng_trains_and_refuses_a_seed():
     make_trainer([dp], max_epochs=2).fit(ToyModel(), toy_loader())
     assert 0 < dp.epsilon <= 3.0
     assert dp._strategy.randomness.secure and dp._strategy.randomness.root is None
-    with pytest.raises(PrivacyConfigurationError, match="secure_rng=True .* cannot be seeded"):
+    with pytest.raises(PrivacyConfigurationError, match=r"secure_rng=True .* cannot be seeded"):
         OSODP(target_epsilon=3.0, secure_rng=True, seed=1)
     with pytest.raises(PrivacyConfigurationError, match="secure_rng must be True or False"):
         OSODP(target_epsilon=3.0, secure_rng="yes")

@@ -17,7 +17,14 @@ from pathlib import Path
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_oso.accounting.ledger import LedgerError, PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
+from lightning_oso.accounting.ledger import (
+    LedgerError,
+    PrivacyLedger,
+    RunLedger,
+    ledger_history,
+    new_run_id,
+    read_ledger,
+)
 from lightning_oso.randomness import os_nonce
 from lightning_oso.validation import PrivacyConfigurationError
 

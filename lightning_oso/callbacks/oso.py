@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from lightning_oso.accounting import DEFAULT_DIRECTION_NOISE_RATIO, PrivacyAccountant
+from lightning_oso.accounting import PrivacyAccountant
 from lightning_oso.callbacks._docs import _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
-from lightning_oso.clipping import OSOClipping
+from lightning_oso.clipping import DEFAULT_DIRECTION_NOISE_RATIO, OSOClipping
 from lightning_oso.validation import PrivacyConfigurationError, check_number
 
 
