@@ -301,3 +301,30 @@ def test_prv_bound_is_not_capped_at_709():
             warnings.simplefilter("error")
             ours = accounting.prv_epsilon([(1 / mu, 1.0, 1)], 1e-5)
         assert exact <= ours <= exact + 0.05
+
+
+def test_zcdp_budget_and_calibration_are_by_zcdp_itself():
+    """zCDP is looser than the integer-order RDP bound the searches start from: the step budget and the calibrated
+    multiplier still meet the target by zCDP (the RDP shortcut, valid for PRV and RDP, would overrun it)."""
+    nu, target, delta = 20.0, 1.0, 1e-5
+    t = max_steps_within_budget(nu, 1.0, target, delta, accountant="zcdp")
+    assert max_steps_within_budget(nu, 1.0, target, delta, accountant="zcdp", limit=20) == t < 20  # RDP fits 20
+    assert compute_epsilon([(nu, 1.0, t)], delta, "zcdp") <= target < compute_epsilon([(nu, 1.0, t + 1)], delta, "zcdp")
+    nu = calibrate_noise_multiplier(target, delta, 1.0, 100, accountant="zcdp")
+    assert (
+        compute_epsilon([(nu, 1.0, 100)], delta, "zcdp")
+        <= target
+        < compute_epsilon([(nu * 0.997, 1.0, 100)], delta, "zcdp")
+    )
+
+
+def test_history_events_and_stored_triples():
+    """Events unpack as the stored triples; a checkpoint's triples load as events; negative step counts are refused."""
+    event = SubsampledGaussian(1.5, 0.02, 10)
+    assert tuple(event) == (1.5, 0.02, 10) and SubsampledGaussian.of([1.5, 0.02, 10]) == event
+    acc = PrivacyAccountant(1e-5)
+    acc.load_state_dict({"delta": 1e-5, "accountant": "prv", "history": [[1.5, 0.02, 10], [2.0, 0.02, 5]]})
+    assert acc.history == (event, SubsampledGaussian(2.0, 0.02, 5)) and acc.steps == 15
+    assert acc.epsilon() == compute_epsilon([(1.5, 0.02, 10), (2.0, 0.02, 5)], 1e-5)
+    with pytest.raises(ValueError, match="negative number of steps"):
+        SubsampledGaussian(1.0, 0.1, -1)

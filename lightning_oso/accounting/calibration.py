@@ -75,20 +75,21 @@ def calibrate_noise_multiplier(
     def history(noise_multiplier: float) -> tuple[SubsampledGaussian, ...]:
         return prior + tuple(SubsampledGaussian(noise_multiplier, rate, count) for rate, count in planned)
 
-    start = _smallest_multiplier(
-        lambda nu: integer_order_rdp_epsilon(history(nu), target_delta), target_epsilon, start=1.0, rtol=0.02
+    nu = _smallest_multiplier(
+        lambda noise: integer_order_rdp_epsilon(history(noise), target_delta), target_epsilon, start=1.0, rtol=0.02
     )
-    if math.isinf(start):
+    if math.isfinite(nu):  # no fallback warning for the multipliers the search only tries (the run's accounting warns)
+        nu = _smallest_multiplier(
+            lambda noise: epsilon_and_prv_failure(history(noise), target_delta, accountant)[0], target_epsilon, nu, rtol
+        )
+    if math.isinf(nu):
         raise ValueError(
             f"no noise multiplier up to 1e6 reaches epsilon={target_epsilon} at delta={target_delta} "
             f"for {sum(count for _, count in planned)} steps at sample rate {max(rate for rate, _ in planned)}"
             + (f" after the {total_steps(prior)} steps already taken" if total_steps(prior) else "")
             + "; raise target_epsilon or target_delta"
         )
-    # no fallback warning for the multipliers the search only tries: the run's own accounting warns where it applies
-    return _smallest_multiplier(
-        lambda nu: epsilon_and_prv_failure(history(nu), target_delta, accountant)[0], target_epsilon, start, rtol
-    )
+    return nu
 
 
 def _smallest_multiplier(epsilon: Callable[[float], float], target: float, start: float, rtol: float) -> float:
