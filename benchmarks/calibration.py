@@ -25,7 +25,7 @@ def calibration_times(steps_list: list[int], opacus_max_steps: int = 10_000) -> 
     q = batch / n
     rows = []
     for steps in steps_list:
-        accounting._prv_bounds_cached.cache_clear()
+        accounting.prv._prv_bounds_cached.cache_clear()
         start = time.perf_counter()
         nu = accounting.calibrate_noise_multiplier(epsilon, delta, q, steps)
         row = {

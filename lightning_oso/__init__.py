@@ -36,7 +36,6 @@ from lightning_oso.accounting import (
     calibrate_noise_multiplier,
     compute_epsilon,
     max_steps_within_budget,
-    split_noise_multiplier,
 )
 from lightning_oso.callbacks import OSODP, PURDP, DPCallback, FixedQuantileDP, FixedThresholdDP
 from lightning_oso.clipping import (
@@ -45,6 +44,7 @@ from lightning_oso.clipping import (
     FixedThresholdClipping,
     OSOClipping,
     ScheduledNoiseClipping,
+    split_noise_multiplier,
 )
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused

@@ -19,13 +19,13 @@ single Gaussian mechanism that its queries, released together, amount to (docs/a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_oso import step
-from lightning_oso.accounting import DEFAULT_DIRECTION_NOISE_RATIO, split_noise_multiplier
 from lightning_oso.validation import check_open_interval, check_positive
 
 # The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
@@ -187,6 +187,44 @@ def quantile_gradient_noise_multiplier(noise_multiplier: float, count_noise_std:
             "(the default is expected_batch_size / 20), the batch size, or the privacy budget."
         )
     return (noise_multiplier**-2 - count_multiplier**-2) ** -0.5
+
+
+#: Default ratio ``nu_q / nu`` of the direction query's noise multiplier (OSO paper, "Privacy Analysis": a 1%
+#: increase of ``nu_g`` over ``nu`` gives ``nu_q ~= 7.124 nu``).
+DEFAULT_DIRECTION_NOISE_RATIO = 7.124
+
+
+def split_noise_multiplier(
+    noise_multiplier: float, direction_noise_ratio: float = DEFAULT_DIRECTION_NOISE_RATIO
+) -> tuple[float, float]:
+    """Split one Gaussian mechanism's multiplier into OSO's two queries (OSO paper, Proposition 1).
+
+    Returns ``(nu_g, nu_q)`` with ``nu_q = direction_noise_ratio * nu`` and ``1/nu^2 = 1/nu_g^2 + 1/nu_q^2``, so the
+    clipped-gradient query (sensitivity ``C_t``, noise ``C_t nu_g``) and the direction query (sensitivity 1, noise
+    ``nu_q``) released together cost exactly one Gaussian mechanism with multiplier ``nu``
+    (docs/algorithms.md, "OSO-DPSGD").
+
+    Example:
+        >>> nu_g, nu_q = split_noise_multiplier(2.0)
+        >>> round(nu_g, 3), round(nu_q, 3)
+        (2.02, 14.248)
+        >>> round(combined_noise_multiplier(nu_g, nu_q), 12)
+        2.0
+    """
+    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be positive and finite, got {noise_multiplier}")
+    if not direction_noise_ratio > 1:
+        raise ValueError(
+            f"direction_noise_ratio must be > 1 (nu_q must exceed nu for nu_g to exist), got {direction_noise_ratio}"
+        )
+    nu_q = direction_noise_ratio * noise_multiplier
+    nu_g = (noise_multiplier**-2 - nu_q**-2) ** -0.5
+    return nu_g, nu_q
+
+
+def combined_noise_multiplier(*multipliers: float) -> float:
+    """The single Gaussian multiplier equivalent to joint queries with these multipliers (Proposition 1, inverted)."""
+    return sum(m**-2 for m in multipliers) ** -0.5
 
 
 class OSOClipping(ClippingRule):

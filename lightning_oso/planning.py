@@ -3,22 +3,26 @@ steps the trainer plans (or kept from the checkpoint on a resume), how many step
 accountant's history, and the errors when it allows too few. The DP callbacks call these with their settings and
 history (``DPCallback.plan``); nothing here touches a trainer or keeps state.
 
-A history is the accountant's: a list of segments ``(nu, q, steps)`` (``accounting.Segment``).
+A history is the accountant's: :class:`~lightning_oso.accounting.SubsampledGaussian` events, or their
+``(nu, q, steps)`` triples.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lightning_oso.accounting import (
-    Segment,
+    AccountantName,
+    History,
+    SubsampledGaussian,
     calibrate_noise_multiplier,
     compute_epsilon,
     largest_fitting_steps,
     max_steps_within_budget,
 )
+from lightning_oso.accounting.events import as_events, total_steps
 from lightning_oso.validation import PrivacyConfigurationError
 
 #: The settings whose change on a resume makes the noise be calibrated anew.
@@ -40,8 +44,8 @@ def calibrated_noise_multiplier(
     target_delta: float,
     sample_rate: float,
     remaining_steps: float,
-    accountant: str,
-    history: Sequence[Segment],
+    accountant: AccountantName,
+    history: History,
     spent_epsilon: Callable[[], float],
 ) -> float:
     """The smallest ``nu`` whose ``remaining_steps`` at ``sample_rate`` after ``history`` meet the budget.
@@ -56,7 +60,7 @@ def calibrated_noise_multiplier(
             "the trainer has none (max_epochs=-1 and max_steps=-1): set max_epochs or max_steps, or pass "
             "noise_multiplier to train until the budget is spent"
         )
-    history = [tuple(s) for s in history]
+    history = as_events(history)
     try:
         return calibrate_noise_multiplier(
             target_epsilon,
@@ -67,7 +71,7 @@ def calibrated_noise_multiplier(
             prior_history=history,
         )
     except ValueError as err:
-        steps = sum(s for *_, s in history)
+        steps = total_steps(history)
         if steps:
             epsilon = spent_epsilon()
             if epsilon >= target_epsilon:
@@ -80,8 +84,8 @@ def steps_within_budget(
     sample_rate: float,
     target_epsilon: float,
     target_delta: float,
-    accountant: str,
-    history: Sequence[Segment],
+    accountant: AccountantName,
+    history: History,
     limit: int,
 ) -> int:
     """How many more steps at ``(noise_multiplier, sample_rate)`` the budget allows after ``history`` (``<= limit``)."""
@@ -91,38 +95,40 @@ def steps_within_budget(
         target_epsilon,
         target_delta,
         accountant,
-        prior_history=[tuple(s) for s in history],
+        prior_history=history,
         limit=limit,
     )
 
 
-def full_batch_schedule(multiplier_at: Callable[[int], float], first_step: int) -> Callable[[int], list[Segment]]:
+def full_batch_schedule(
+    multiplier_at: Callable[[int], float], first_step: int
+) -> Callable[[int], tuple[SubsampledGaussian, ...]]:
     """The history of the first ``steps`` steps of a full-batch noise schedule from its step ``first_step``
     (``multiplier_at(t)`` is ``nu_t``), as a function of ``steps``. Full-batch Gaussian steps compose exactly into
-    one (``accounting._normalise`` does the same merge), so it is a single segment ``((sum nu_t^-2)^-1/2, 1, 1)``;
+    one (``accounting.events.normalise`` does the same merge), so it is a single event ``((sum nu_t^-2)^-1/2, 1, 1)``;
     the prefix sums are kept across calls."""
     precisions = [0.0]  # prefix sums of 1/nu_t^2 from step `first_step` on
 
-    def history(steps: int) -> list[Segment]:
+    def history(steps: int) -> tuple[SubsampledGaussian, ...]:
         while len(precisions) <= steps:
             nu = multiplier_at(first_step + len(precisions) - 1)
             precisions.append(precisions[-1] + nu**-2)
-        return [(precisions[steps] ** -0.5, 1.0, 1)] if steps else []
+        return (SubsampledGaussian(precisions[steps] ** -0.5, 1.0, 1),) if steps else ()
 
     return history
 
 
 def scheduled_steps_within_budget(
-    scheduled: Callable[[int], list[Segment]],
+    scheduled: Callable[[int], tuple[SubsampledGaussian, ...]],
     target_epsilon: float,
     target_delta: float,
-    accountant: str,
-    history: Sequence[Segment],
+    accountant: AccountantName,
+    history: History,
     limit: int,
 ) -> int:
     """How many more steps of a schedule (``scheduled(steps)``: their history) the budget allows after
     ``history`` (``<= limit``); the cost per step must only grow."""
-    prior = [tuple(s) for s in history]
+    prior = as_events(history)
 
     def fits(steps: int) -> bool:
         return compute_epsilon(prior + scheduled(steps), target_delta, accountant) <= target_epsilon

@@ -1,5 +1,5 @@
 """PUR noise schedules for full-batch noisy gradient descent (Fay et al., "Adaptive hyperparameter selection for
-differentially private gradient descent"; spec section 6).
+differentially private gradient descent"; docs/algorithms.md, "PUR schedules").
 
 DP-GD: ``theta_{t+1} = theta_t - eta (grad F(theta_t) + zeta_t)``, ``zeta_t ~ N(0, sigma_t^2 I)``, with the step
 size ``eta = 1/(2M)`` and the data-independent schedules of Proposition 3, which replace the gradient norm of the
@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
+from lightning_oso.validation import check_choice
+
 #: The three schedules of Proposition 3, and the constant baseline the paper compares them with.
-SCHEDULES = ("nonconvex", "convex", "strongly_convex", "constant")
+ScheduleKind = Literal["nonconvex", "convex", "strongly_convex", "constant"]
+SCHEDULES: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
 
 
 def _positive(name: str, value) -> float:
@@ -57,9 +61,14 @@ class PURSchedule:
 
     Raises:
         ValueError: naming the argument, for a missing or invalid constant.
+
+    Example:
+        >>> schedule = PURSchedule("convex", smoothness=1.0, dimension=4, radius=2.0)
+        >>> schedule.step_size, schedule.noise_std(1)
+        (0.5, 4.0)
     """
 
-    kind: str
+    kind: ScheduleKind
     smoothness: float
     dimension: int
     initial_gap: float | None = None
@@ -68,8 +77,7 @@ class PURSchedule:
     constant_std: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULES:
-            raise ValueError(f"kind must be one of {SCHEDULES}, got {self.kind!r}")
+        check_choice("kind", self.kind, SCHEDULES)
         _positive("smoothness (M)", self.smoothness)
         if isinstance(self.dimension, bool) or not isinstance(self.dimension, int) or self.dimension < 1:
             raise ValueError(f"dimension (d) must be a positive int, got {self.dimension!r}")
@@ -83,11 +91,18 @@ class PURSchedule:
             if getattr(self, name) is None:
                 raise ValueError(f"the {self.kind} schedule needs {name}")
             _positive(name, getattr(self, name))
-        if self.kind == "strongly_convex" and self.strong_convexity > self.smoothness:
+        if self.kind == "strongly_convex" and self._needed("strong_convexity") > self.smoothness:
             raise ValueError(
                 f"strong_convexity (mu={self.strong_convexity}) cannot exceed smoothness (M={self.smoothness}): no "
                 "function is mu-strongly convex and M-smooth with mu > M; check the constants"
             )
+
+    def _needed(self, name: str) -> float:
+        """A constant this schedule's kind needs (``__post_init__`` checked that it was given)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"the {self.kind} schedule needs {name}")
+        return value
 
     @property
     def step_size(self) -> float:
@@ -104,13 +119,14 @@ class PURSchedule:
             raise ValueError(f"steps are numbered from 1, got t={t}")
         m, d = self.smoothness, self.dimension
         if self.kind == "constant":
-            return self.constant_std
+            return self._needed("constant_std")
         if self.kind == "nonconvex":
-            return 4 * m * math.sqrt(self.initial_gap) / math.sqrt(d * t)
+            return 4 * m * math.sqrt(self._needed("initial_gap")) / math.sqrt(d * t)
         if self.kind == "convex":
-            return 4 * m * self.radius / math.sqrt(d * t)
-        ratio = 1.0 - self.strong_convexity / (2 * m)
-        return math.sqrt(2 * self.strong_convexity * self.initial_gap * ratio**t / d)
+            return 4 * m * self._needed("radius") / math.sqrt(d * t)
+        mu = self._needed("strong_convexity")
+        ratio = 1.0 - mu / (2 * m)
+        return math.sqrt(2 * mu * self._needed("initial_gap") * ratio**t / d)
 
     def noise_stds(self, first: int, count: int) -> list[float]:
         return [self.noise_std(t) for t in range(first, first + count)]
@@ -126,26 +142,6 @@ def zcdp_rho(noise_stds: list[float], lipschitz: float, num_samples: int) -> flo
     history's rho into epsilon)."""
     sensitivity = 2.0 * lipschitz / num_samples
     return sum(sensitivity**2 / (2.0 * s**2) for s in noise_stds)
-
-
-def gdp_epsilon(mu: float, delta: float) -> float:
-    """Exact epsilon of mu-GDP at ``delta`` (Dong, Roth and Su 2019, Corollary 2.13): the root of
-    ``delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``. An independent closed form for the tests."""
-    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
-
-    def delta_of(eps: float) -> float:
-        e = torch.tensor(eps, dtype=torch.float64)
-        return float(normal.cdf(-e / mu + mu / 2) - torch.exp(e) * normal.cdf(-e / mu - mu / 2))
-
-    if delta_of(0.0) <= delta:
-        return 0.0
-    low, high = 0.0, 1.0
-    while delta_of(high) > delta:
-        low, high = high, 2 * high
-    for _ in range(100):
-        mid = (low + high) / 2
-        low, high = (mid, high) if delta_of(mid) > delta else (low, mid)
-    return high
 
 
 # ----------------------------------------------------------------------------------- regularised logistic regression

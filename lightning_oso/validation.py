@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -114,6 +114,9 @@ def validate_optimization(pl_module, optimizers) -> None:
 # names the argument, what it must be, and what it got. Callers validate every argument before touching data.
 
 
+_Choice = TypeVar("_Choice", bound=str)
+
+
 def _is_real(value: Any) -> bool:
     """A real number: Python's or numpy's (``numbers.Real``), but not a bool (usually a misplaced argument)."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real)
@@ -153,7 +156,7 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_choice(name: str, value: Any, choices: Iterable[str], alternative: str = "") -> str:
+def check_choice(name: str, value: Any, choices: Iterable[_Choice], alternative: str = "") -> _Choice:
     """One of ``choices`` (the ``Literal`` values of the argument's type); ``alternative`` names what else the
     caller accepts and has checked itself (e.g. ``"a PrivacyAccountant"``), for the message."""
     choices = tuple(choices)

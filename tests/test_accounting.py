@@ -1,20 +1,25 @@
-"""Accounting: Proposition 1, calibration and epsilon cross-checked against independent implementations."""
+"""Accounting: Proposition 1 (the noise split, in ``clipping``), calibration and epsilon cross-checked against
+independent implementations (``accounting_oracles``)."""
 
 import math
 import warnings
 
 import numpy as np
 import pytest
-from scipy import special
+from accounting_oracles import mpmath_gaussian_epsilon, rdp_integer_order
 
 from lightning_oso import accounting
 from lightning_oso.accounting import (
     PrivacyAccountant,
+    SubsampledGaussian,
     calibrate_noise_multiplier,
     compute_epsilon,
     max_steps_within_budget,
-    split_noise_multiplier,
+    prv,
 )
+from lightning_oso.accounting.epsilon import _warn_prv_fallback
+from lightning_oso.accounting.rdp import integer_order_rdp_epsilon
+from lightning_oso.clipping import combined_noise_multiplier, split_noise_multiplier
 
 
 @pytest.mark.parametrize("nu", [0.5, 1.0, 3.7])
@@ -23,7 +28,7 @@ def test_proposition_1_split(nu, ratio):
     nu_g, nu_q = split_noise_multiplier(nu, ratio)
     assert nu_q == pytest.approx(ratio * nu)
     assert 1 / nu**2 == pytest.approx(1 / nu_g**2 + 1 / nu_q**2)
-    assert accounting.combined_noise_multiplier(nu_g, nu_q) == pytest.approx(nu)
+    assert combined_noise_multiplier(nu_g, nu_q) == pytest.approx(nu)
 
 
 def test_default_split_is_papers_rule_of_thumb():
@@ -76,25 +81,10 @@ def test_rdp_calibration_and_prv_is_tighter():
     assert accounting.rdp_epsilon([(nu_rdp, 0.02, 500)], 1e-5) <= 2.0
 
 
-def _rdp_integer_order(q, sigma, alpha):
-    """Independent RDP of the Poisson-subsampled Gaussian at integer order (Mironov, Talwar, Zhang 2019, eq. (3)):
-    A_alpha = sum_k C(alpha, k) (1-q)^(alpha-k) q^k exp((k^2 - k) / (2 sigma^2)); RDP = log(A_alpha) / (alpha - 1)."""
-    k = np.arange(alpha + 1)
-    log_terms = (
-        special.gammaln(alpha + 1)
-        - special.gammaln(k + 1)
-        - special.gammaln(alpha - k + 1)
-        + (alpha - k) * np.log1p(-q)
-        + k * np.log(q)
-        + (k * k - k) / (2 * sigma**2)
-    )
-    return special.logsumexp(log_terms) / (alpha - 1)
-
-
 def test_rdp_matches_independent_formula():
     q, sigma, steps, delta = 0.05, 1.1, 400, 1e-5
     orders = np.arange(2, 64)
-    rdp = np.array([_rdp_integer_order(q, sigma, a) for a in orders]) * steps
+    rdp = np.array([rdp_integer_order(q, sigma, a) for a in orders]) * steps
     eps_ind = np.min(rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders))
     ours = accounting.rdp_epsilon([(sigma, q, steps)], delta)
     assert ours <= eps_ind + 1e-9  # ours also searches fractional orders
@@ -113,12 +103,12 @@ def test_prv_failure_falls_back_to_rdp(monkeypatch):
     def failing(*args):
         raise RuntimeError("Discrete mean differs significantly from continuous mean.")
 
-    monkeypatch.setattr(accounting, "_prv_bounds_cached", failing)
+    monkeypatch.setattr(prv, "_prv_bounds_cached", failing)
     history = [(0.5, 0.2, 1000)]
     with pytest.raises(accounting.AccountingError, match="Discrete mean"):
         accounting.prv_epsilon(history, 1e-5)
     with pytest.warns(RuntimeWarning, match="RDP"):
-        accounting._warn_prv_fallback.cache_clear()
+        _warn_prv_fallback.cache_clear()
         eps = compute_epsilon(history, 1e-5)
     assert eps == accounting.rdp_epsilon(history, 1e-5)
     # calibration still returns a multiplier that meets the target, by RDP
@@ -150,7 +140,7 @@ def test_prv_matches_the_independent_prv_accountant_package(history):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = PRVAccountant(prvs=prvs, max_self_compositions=steps, eps_error=0.01, delta_error=delta / 1000)
-        _, estimate, upper = theirs.compute_epsilon(delta=delta, num_self_compositions=steps)
+        _, _, upper = theirs.compute_epsilon(delta=delta, num_self_compositions=steps)
     ours = accounting.prv_epsilon(history, delta)
     # to 2e-4; at epsilon ~19 the package drifts by 1e-3 relative (its estimate moves with its grid, ours does not)
     assert ours == pytest.approx(upper, abs=max(2e-4, 1e-3 * upper))
@@ -162,11 +152,11 @@ def test_fast_rdp_bound_is_the_integer_order_bound():
     is close to the full RDP bound (fractional orders, but fewer integer ones)."""
     q, sigma, steps, delta = 0.05, 1.1, 400, 1e-5
     orders = np.arange(2, 257)
-    rdp = np.array([_rdp_integer_order(q, sigma, a) for a in orders]) * steps
+    rdp = np.array([rdp_integer_order(q, sigma, a) for a in orders]) * steps
     eps_ind = np.min(rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders))
-    assert accounting._fast_rdp_epsilon([(sigma, q, steps)], delta) == pytest.approx(eps_ind, rel=1e-9)
-    for history in PRV_CASES + [[(2.0, 1.0, 16)], [(1.0, 0.5, 40)]]:  # q = 1: only the k = a term remains
-        assert accounting._fast_rdp_epsilon(history, delta) == pytest.approx(
+    assert integer_order_rdp_epsilon([(sigma, q, steps)], delta) == pytest.approx(eps_ind, rel=1e-9)
+    for history in [*PRV_CASES, [(2.0, 1.0, 16)], [(1.0, 0.5, 40)]]:  # q = 1: only the k = a term remains
+        assert integer_order_rdp_epsilon(history, delta) == pytest.approx(
             accounting.rdp_epsilon(history, delta), rel=0.05
         )
 
@@ -195,7 +185,9 @@ def test_accountant_state_roundtrip():
     other = PrivacyAccountant(1e-3, "rdp")
     other.load_state_dict(acc.state_dict())
     assert other.steps == 35 and other.epsilon() == acc.epsilon()
-    assert acc.history == [[1.1, 0.03, 30], [0.9, 0.03, 5]]
+    assert acc.history == (SubsampledGaussian(1.1, 0.03, 30), SubsampledGaussian(0.9, 0.03, 5))
+    # stored as the [nu, q, steps] triples every checkpoint has held, so old checkpoints load and new ones stay JSON
+    assert acc.state_dict()["history"] == [[1.1, 0.03, 30], [0.9, 0.03, 5]]
     assert acc.epsilon(extra_steps=10) > acc.epsilon()
 
 
@@ -224,32 +216,12 @@ def test_prv_at_sample_rate_one_is_the_gaussian_mechanism():
     assert exact <= ours <= exact + 0.011
 
 
-def _mpmath_gaussian_epsilon(mu, delta):
-    """Independent exact epsilon of mu-GDP at delta: ``delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``
-    (Balle and Wang 2018) at 50 digits, where nothing overflows or cancels, solved by mpmath's bracketing root-finder
-    on ``log delta``. The bracket: delta(0) = erf(mu / (2 sqrt 2)) above, and below, the epsilon where
-    ``Phi(-eps/mu + mu/2) <= exp(-(eps/mu - mu/2)^2 / 2) = delta``."""
-    import mpmath
-
-    with mpmath.workdps(50):
-        mu, delta = mpmath.mpf(mu), mpmath.mpf(delta)
-
-        def f(eps):
-            return mpmath.log(
-                mpmath.ncdf(-eps / mu + mu / 2) - mpmath.exp(eps) * mpmath.ncdf(-eps / mu - mu / 2)
-            ) - mpmath.log(delta)
-
-        if f(mpmath.mpf(0)) <= 0:
-            return mpmath.mpf(0)
-        hi = mu**2 / 2 + mu * mpmath.sqrt(2 * mpmath.log(1 / delta))
-        return mpmath.findroot(f, (mpmath.mpf(0), hi), solver="anderson", tol=mpmath.mpf(10) ** -40)
-
-
 def _assert_tight_upper_bound(ours, exact):
-    """``ours`` bounds ``exact`` from above, by at most 1e-9 absolute + 1e-9 relative. gaussian_epsilon solves at a delta
-    1e-9 lower in log space (a margin ~1e5 times the floating-point error of its log delta), which moves epsilon by
-    delta * 1e-9 / (e^eps Phi(b)): at most ~1e-9 absolute where epsilon is small, and ~1e-11 relative where it is large
-    (the largest gaps seen: 4e-9 relative at epsilon 0.006, 2.5e-12 relative at epsilon 5e5). PRV's own error is 0.01."""
+    """``ours`` bounds ``exact`` from above, by at most 1e-9 absolute + 1e-9 relative. gaussian_epsilon solves at a
+    delta 1e-9 lower in log space (a margin ~1e5 times the floating-point error of its log delta), which moves epsilon
+    by delta * 1e-9 / (e^eps Phi(b)): at most ~1e-9 absolute where epsilon is small, and ~1e-11 relative where it is
+    large (the largest gaps seen: 4e-9 relative at epsilon 0.006, 2.5e-12 relative at epsilon 5e5). PRV's own error
+    is 0.01."""
     import mpmath
 
     assert math.isfinite(ours)
@@ -265,20 +237,18 @@ def test_full_batch_epsilon_is_exact_and_an_upper_bound_everywhere():
     delta = 1e-5
     for mu in np.geomspace(2.3e-3, 195.0, 17):  # epsilon ~1e-2 ... ~2e4
         ours = compute_epsilon([(1.0 / mu, 1.0, 1)], delta)
-        _assert_tight_upper_bound(ours, _mpmath_gaussian_epsilon(mu, delta))
-    # multi-step and heterogeneous full-batch histories compose into one Gaussian (accounting._normalise)
+        _assert_tight_upper_bound(ours, mpmath_gaussian_epsilon(mu, delta))
+    # multi-step and heterogeneous full-batch histories compose into one Gaussian (accounting.events.normalise)
     for history in ([(0.05, 1.0, 25)], [(0.1, 1.0, 3), (0.02, 1.0, 2), (3.0, 1.0, 40)]):
         mu = math.sqrt(sum(t / nu**2 for nu, _, t in history))
-        _assert_tight_upper_bound(compute_epsilon(history, delta), _mpmath_gaussian_epsilon(mu, delta))
+        _assert_tight_upper_bound(compute_epsilon(history, delta), mpmath_gaussian_epsilon(mu, delta))
 
 
 def test_gaussian_epsilon_is_finite_and_exact_for_extreme_mu_and_delta():
     """mu from 1e-3 to 1e3, delta from 1e-12 to 0.5: finite, and the mpmath value rounded up."""
     for mu in np.geomspace(1e-3, 1e3, 13):
         for delta in (1e-12, 1e-8, 1e-5, 1e-2, 0.3, 0.5):
-            _assert_tight_upper_bound(
-                accounting.gaussian_epsilon(float(mu), delta), _mpmath_gaussian_epsilon(mu, delta)
-            )
+            _assert_tight_upper_bound(accounting.gaussian_epsilon(float(mu), delta), mpmath_gaussian_epsilon(mu, delta))
 
 
 def test_budget_stop_at_sample_rate_one_and_huge_epsilon():
@@ -286,7 +256,7 @@ def test_budget_stop_at_sample_rate_one_and_huge_epsilon():
     step whose exact epsilon (mpmath) is within the budget. The PRV's epsilon, stuck at ~709.79 from T = 128 on,
     let it run to step 259, far past the budget."""
     nu, target, delta = 0.1, 5000.0, 1e-5
-    exact = [_mpmath_gaussian_epsilon(math.sqrt(t) / nu, delta) for t in range(1, 150)]
+    exact = [mpmath_gaussian_epsilon(math.sqrt(t) / nu, delta) for t in range(1, 150)]
     expected = max(t for t, e in enumerate(exact, start=1) if e <= target)
     assert exact[-1] > target and 50 < expected < 149
     assert max_steps_within_budget(nu, 1.0, target, delta) == expected
@@ -310,7 +280,7 @@ def test_mixed_history_costs_at_least_its_full_batch_part():
             warnings.simplefilter("ignore")
             ours = compute_epsilon(history, 1e-5)
         assert math.isfinite(ours)
-        assert ours >= _mpmath_gaussian_epsilon(mu, 1e-5), history
+        assert ours >= mpmath_gaussian_epsilon(mu, 1e-5), history
         assert ours <= accounting.rdp_epsilon(history, 1e-5)
 
 
@@ -326,8 +296,35 @@ def test_prv_bound_is_not_capped_at_709():
     bound is above the exact epsilon and close to it. Its CDF (np.expm1) and Opacus' epsilon search (np.exp on the
     grid) overflowed above t ~ 709.78 and reported 709.79."""
     for mu in (40.0, 100.0):
-        exact = _mpmath_gaussian_epsilon(mu, 1e-5)
+        exact = mpmath_gaussian_epsilon(mu, 1e-5)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ours = accounting.prv_epsilon([(1 / mu, 1.0, 1)], 1e-5)
         assert exact <= ours <= exact + 0.05
+
+
+def test_zcdp_budget_and_calibration_are_by_zcdp_itself():
+    """zCDP is looser than the integer-order RDP bound the searches start from: the step budget and the calibrated
+    multiplier still meet the target by zCDP (the RDP shortcut, valid for PRV and RDP, would overrun it)."""
+    nu, target, delta = 20.0, 1.0, 1e-5
+    t = max_steps_within_budget(nu, 1.0, target, delta, accountant="zcdp")
+    assert max_steps_within_budget(nu, 1.0, target, delta, accountant="zcdp", limit=20) == t < 20  # RDP fits 20
+    assert compute_epsilon([(nu, 1.0, t)], delta, "zcdp") <= target < compute_epsilon([(nu, 1.0, t + 1)], delta, "zcdp")
+    nu = calibrate_noise_multiplier(target, delta, 1.0, 100, accountant="zcdp")
+    assert (
+        compute_epsilon([(nu, 1.0, 100)], delta, "zcdp")
+        <= target
+        < compute_epsilon([(nu * 0.997, 1.0, 100)], delta, "zcdp")
+    )
+
+
+def test_history_events_and_stored_triples():
+    """Events unpack as the stored triples; a checkpoint's triples load as events; negative step counts are refused."""
+    event = SubsampledGaussian(1.5, 0.02, 10)
+    assert tuple(event) == (1.5, 0.02, 10) and SubsampledGaussian.of([1.5, 0.02, 10]) == event
+    acc = PrivacyAccountant(1e-5)
+    acc.load_state_dict({"delta": 1e-5, "accountant": "prv", "history": [[1.5, 0.02, 10], [2.0, 0.02, 5]]})
+    assert acc.history == (event, SubsampledGaussian(2.0, 0.02, 5)) and acc.steps == 15
+    assert acc.epsilon() == compute_epsilon([(1.5, 0.02, 10), (2.0, 0.02, 5)], 1e-5)
+    with pytest.raises(ValueError, match="negative number of steps"):
+        SubsampledGaussian(1.0, 0.1, -1)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_oso import OSODP, FixedQuantileDP, FixedThresholdDP, compute_epsilon
-from lightning_oso.ledger import read_ledger
+from lightning_oso.accounting.ledger import read_ledger
 from lightning_oso.validation import PrivacyConfigurationError
 
 

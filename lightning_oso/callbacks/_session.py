@@ -25,9 +25,9 @@ from typing_extensions import override
 
 from lightning_oso import planning
 from lightning_oso.accounting import PrivacyAccountant
+from lightning_oso.accounting.ledger import PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import LedgerError, PrivacyConfigurationError
-from lightning_oso.ledger import PrivacyLedger, RunLedger, ledger_history, new_run_id, read_ledger
 from lightning_oso.randomness import RunRandomness, os_nonce
 from lightning_oso.strategies import PrivateTraining
 
@@ -145,9 +145,12 @@ class RunSession(Callback):
             self.accountant.history = [list(s) for s in history]
             self._epsilon_cache = None
 
-    def _step_mechanism(self) -> tuple[float | None, float | None]:
+    def _step_mechanism(self) -> tuple[float, float]:
         """``(nu, q)`` of the step being released (captured when the batch started)."""
-        return self._step_noise_multiplier, self._training.sample_rate
+        nu, q = self._step_noise_multiplier, self._training.sample_rate
+        if nu is None or q is None:
+            raise RuntimeError("a step is released before the run planned its noise and sampling rate")
+        return nu, q
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_noise_multiplier(self, sample_rate: float) -> float | None:

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypedDict, TypeVar
 
 import numpy as np
 
-from lightning_oso.accounting import PrivacyAccountant
+from lightning_oso.accounting import AccountantName, PrivacyAccountant
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.validation import check_choice
 
@@ -25,8 +25,6 @@ from lightning_oso.validation import check_choice
 LossReduction = Literal["mean", "sum"]
 #: How the per-sample gradient norms and sums are computed (``strategy.GRAD_SAMPLE_MODES``).
 GradSampleMode = Literal["book_keeping", "hooks"]
-#: The accountants by name (``accounting.ACCOUNTANTS`` and, for full-batch schedules, ``FULL_BATCH_ACCOUNTANTS``).
-AccountantName = Literal["prv", "rdp", "zcdp"]
 #: ``target_delta`` when none is given.
 DEFAULT_TARGET_DELTA = 1e-5
 
@@ -58,7 +56,7 @@ class DPArguments(RunArguments, total=False):
     noise_multiplier: float | None
 
 
-def check_accountant(value: Any, choices: Iterable[str], delta: float) -> PrivacyAccountant:
+def check_accountant(value: Any, choices: Iterable[AccountantName], delta: float) -> PrivacyAccountant:
     """The run's accountant: one of ``choices`` by name, made here for ``delta``, or a :class:`PrivacyAccountant`
     whose history the run continues, which must report epsilon at the same ``delta``."""
     if not isinstance(value, PrivacyAccountant):

@@ -71,7 +71,7 @@ class DPCallback(RunSession):
     #: Whether the method changes the optimizer's learning rate itself (then a user's lr scheduler interferes).
     adapts_learning_rate = False
     #: The accountants the method's mechanism can be accounted with.
-    accountants: tuple[str, ...] = ACCOUNTANTS
+    accountants: tuple[AccountantName, ...] = ACCOUNTANTS
 
     def __init__(
         self,

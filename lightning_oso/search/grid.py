@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_oso.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn, format_hparams
 from lightning_oso.search.result import RunRecord, SearchResult
@@ -143,7 +143,7 @@ class HonestGridSearch(PrivateSearch):
         accounting: str = "composition",
         stop_probability: float | None = None,
         delta_2: float | None = None,
-        accountant: str = "prv",
+        accountant: AccountantName = "prv",
         selection: str = "best",
         selection_epsilon: float | None = None,
         score_sensitivity: float | None = None,

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
+from lightning_oso.accounting import ACCOUNTANTS, AccountantName, PrivacyAccountant
 from lightning_oso.randomness import keyed_generator, root_seed_sequence
 from lightning_oso.validation import check_budget_arguments, check_callable, check_choice
 
@@ -79,7 +79,7 @@ class PrivateSearch:
         target_epsilon: float,
         target_delta: float,
         mode: str = "max",
-        accountant: str = "prv",
+        accountant: AccountantName = "prv",
         seed: int | np.random.SeedSequence | None = None,
     ) -> None:
         check_budget_arguments(target_epsilon, target_delta, None)

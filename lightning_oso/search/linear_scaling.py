@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from lightning_oso.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn
 from lightning_oso.validation import check_int, check_number
@@ -226,7 +226,7 @@ class LinearScalingSearch(PrivateSearch):
         runs_per_sweep: int = 5,
         steps_min: int = 1,
         mode: str = "max",
-        accountant: str = "prv",
+        accountant: AccountantName = "prv",
         seed: int | np.random.SeedSequence | None = None,
     ) -> None:
         super().__init__(train_fn, target_epsilon, target_delta, mode, accountant, seed)

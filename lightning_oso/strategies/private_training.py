@@ -26,9 +26,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_oso import checks, per_sample
+from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.ledger import RunLedger
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import NOISE, Generator, RunRandomness

@@ -5,7 +5,7 @@ last checkpoint has executed steps whose outputs (logs, printed metrics, a model
 left it, and the checkpoint does not know of them. The ledger does: the private step appends one line per step,
 and flushes it to the operating system, *before* the sanitised gradient is written into the parameters, so a line
 exists for every step whose output could have been seen. A resume, after a crash or not, charges every step in the
-ledger (:meth:`PrivacyLedger.history`), whatever the checkpoint says.
+ledger (:func:`ledger_history`), whatever the checkpoint says (docs/algorithms.md, "Randomness and resumes").
 
 The file is JSON lines, by default ``<default_root_dir>/privacy_ledger/<run id>.jsonl``, one file per run (a run
 is one DP callback's training, continued by its resumes and branches):
@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from lightning_oso.accounting import Segment
+from lightning_oso.accounting.accountant import PrivacyAccountant
+from lightning_oso.accounting.events import History, SubsampledGaussian, as_events
 from lightning_oso.errors import LedgerError
 
 FORMAT = "lightning_oso"
@@ -48,7 +50,7 @@ class PrivacyLedger:
         prior: the history composed before this run (written in a new file's header).
     """
 
-    def __init__(self, path: str | os.PathLike, run_id: str, prior: list[Segment] = ()) -> None:
+    def __init__(self, path: str | os.PathLike, run_id: str, prior: History = ()) -> None:
         self.path = Path(path)
         self.run_id = run_id
         if self.path.exists() and self.path.stat().st_size:
@@ -59,7 +61,7 @@ class PrivacyLedger:
                 )
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            header = {"ledger": FORMAT, "version": VERSION, "run": run_id, "prior": [list(s) for s in prior]}
+            header = {"ledger": FORMAT, "version": VERSION, "run": run_id, "prior": [list(e) for e in as_events(prior)]}
             self._append(header)
 
     def begin_session(self, session: int, start_step: int, randomness: str) -> None:
@@ -114,15 +116,16 @@ def read_ledger(path: str | os.PathLike) -> dict:
     }
 
 
-def ledger_history(contents: dict) -> list[Segment]:
+def ledger_history(contents: dict) -> tuple[SubsampledGaussian, ...]:
     """The whole history a ledger charges: the prior history, then its steps (runs of equal mechanisms merged)."""
-    history: list[list] = [list(s) for s in contents["prior"]]
+    prior = as_events(contents["prior"])
+    steps: list[SubsampledGaussian] = []
     for nu, q in contents["steps"]:
-        if history and history[-1][0] == nu and history[-1][1] == q and len(history) > len(contents["prior"]):
-            history[-1][2] += 1
+        if steps and steps[-1].noise_multiplier == nu and steps[-1].sample_rate == q:
+            steps[-1] = steps[-1].with_steps(steps[-1].steps + 1)
         else:
-            history.append([nu, q, 1])
-    return [tuple(s) for s in history]
+            steps.append(SubsampledGaussian.of((nu, q, 1)))
+    return prior + tuple(steps)
 
 
 class RunLedger:
@@ -135,7 +138,9 @@ class RunLedger:
         mechanism: returns ``(nu, q)`` of the step being released.
     """
 
-    def __init__(self, accountant, file: PrivacyLedger | None, mechanism) -> None:
+    def __init__(
+        self, accountant: PrivacyAccountant, file: PrivacyLedger | None, mechanism: Callable[[], tuple[float, float]]
+    ) -> None:
         self.accountant, self.file, self.mechanism = accountant, file, mechanism
 
     @property

@@ -1,0 +1,176 @@
+"""The PRV accountant (Gopi, Lee and Wutschitz 2021): a numerical upper bound on the epsilon of a history, built on
+Opacus' implementation (``opacus.accountants.analysis.prv``) with an FFT-friendly grid and without its overflow
+above epsilon ~709.78.
+
+:func:`prv_epsilon` is the public bound; :func:`_prv_bounds_cached` (``(estimate, upper bound)`` of one normalised
+history) is cached, so the repeated evaluations of a calibration or a budget search cost one grid each.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from lightning_oso.accounting.events import History, SubsampledGaussian, normalise
+from lightning_oso.accounting.rdp import integer_order_rdp_epsilon
+from lightning_oso.errors import AccountingError
+
+#: Maximum error in epsilon of the PRV accountant; its *upper* bound (estimate + error) is what we report.
+PRV_EPS_ERROR = 0.01
+
+#: Largest PRV grid (points) evaluated: ~0.5 GB of work arrays; 1e5 steps need about 3.5e6. Longer histories are
+#: bounded by RDP (with a warning).
+PRV_MAX_GRID = 2**24
+
+
+def _fast_fft_domain(half_width: float, mesh: float):
+    """Opacus' aligned domain ``[-k dt, (k+1) dt]`` for ``k >= half_width / mesh``, widened so that its size is a
+    fast FFT length (a product of small primes).
+
+    The PRV method (Gopi et al. 2021) composes by FFT over this grid. The safe width of Remark 5.6 gives sizes like
+    2 * 3 * 107 * 5393, on which an FFT is ~10x slower; a wider domain only truncates less, so the bound holds.
+    """
+    from opacus.accountants.analysis.prv import Domain
+    from scipy.fft import next_fast_len
+
+    size = next_fast_len(2 * math.ceil(half_width / mesh) + 2, real=True)
+    while size % 2:  # the Fourier composer needs an even size
+        size = next_fast_len(size + 1, real=True)
+    k = size // 2 - 1
+    return Domain(t_min=-k * mesh, t_max=(k + 1) * mesh, size=size)
+
+
+def _safe_domain_size(history: tuple[SubsampledGaussian, ...], eps_error: float, delta_error: float) -> float:
+    """Half-width ``L`` of the discretisation domain (Gopi et al. 2021, Remark 5.6), as Opacus'
+    ``compute_safe_domain_size`` computes it, with its RDP bounds from integer orders (any valid bound is safe, and
+    Opacus' fractional orders cost ~0.3 s a call at large sampling rates)."""
+    total = sum(s for *_, s in history)
+    half_width = integer_order_rdp_epsilon(history, delta_error / 4)
+    for noise, rate, _ in history:
+        half_width = max(half_width, integer_order_rdp_epsilon([(noise, rate, 1)], delta_error / (8 * total)))
+    return max(half_width, eps_error) + 3
+
+
+def _discretise(prv, domain):
+    """Opacus' cell-centred discretisation (``opacus.accountants.analysis.prv.discretize``), with the CDF evaluated
+    once on the cell edges instead of twice, and the same mean correction (Gopi et al. 2021, Section 5.1)."""
+    from opacus.accountants.analysis.prv import DiscretePRV
+
+    centres = domain.ts
+    edges = np.append(centres - domain.dt / 2, centres[-1] + domain.dt / 2)
+    pmf = np.diff(prv.cdf(edges))
+    mean_shift = prv.mean() - np.dot(centres, pmf)
+    if abs(mean_shift) >= domain.dt / 2:
+        raise RuntimeError("Discrete mean differs significantly from continuous mean.")
+    return DiscretePRV(pmf=pmf, domain=domain.shift_right(mean_shift))
+
+
+def _log_shifted_ratio(t: np.ndarray, q: float) -> np.ndarray:
+    """``z = log((e^t - 1 + q) / q)`` for ``t > log(1 - q)``, the Gaussian's privacy loss behind the subsampled one's
+    loss ``t``, without overflow: ``np.expm1(t)`` is ``inf`` above t ~ 709.78, which made the CDF 1 there and
+    truncated every privacy loss distribution (and so every epsilon) at 709.79. Above ``t = 1`` the form
+    ``t + log1p((q - 1) e^-t) - log q`` is used; below, ``log1p(expm1(t) / q)`` keeps the precision near the edge of
+    the support."""
+    z = np.empty_like(t)
+    small = t <= 1.0
+    z[small] = np.log1p(np.expm1(t[small]) / q)
+    large = ~small
+    z[large] = t[large] + np.log1p((q - 1) * np.exp(-t[large])) - math.log(q)
+    return z
+
+
+def _subsampled_gaussian_prv(noise: float, rate: float):
+    """Opacus' PRV of the Poisson-subsampled Gaussian (Gopi et al. 2021, Proposition B4) with its CDF evaluated on
+    the support only: the same formula, half the work on the millions of grid points of a long run."""
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+    from scipy.special import erfc
+
+    class _PRV(PoissonSubsampledGaussianPRV):
+        def cdf(self, t):
+            q, sigma = self.sample_rate, self.noise_multiplier
+            t = np.asarray(t, dtype=float)
+            out = np.zeros_like(t)
+            support = t > (math.log1p(-q) if q < 1 else -math.inf)  # q = 1: the plain Gaussian, support all t
+            z = _log_shifted_ratio(t[support], q)
+            scale = 2 * math.sqrt(2) * sigma
+            out[support] = (
+                1.0 - q * erfc((2 * z * sigma**2 - 1) / scale) / 2 - (1 - q) * erfc((2 * z * sigma**2 + 1) / scale) / 2
+            )
+            return out
+
+    return _PRV(rate, noise)
+
+
+def _discrete_epsilon(dprv, delta: float, delta_error: float, eps_error: float) -> tuple[float, float]:
+    """``(estimate, upper bound)`` of epsilon from a discretised privacy loss distribution: Opacus'
+    ``DiscretePRV.compute_epsilon`` (the same formulas) without its overflow.
+
+    Opacus evaluates ``delta(t_i) = P(L >= t_i) - e^(t_i) sum_{j >= i} p_j e^(-t_j)`` with ``np.exp(t)`` on the whole
+    grid: ``inf`` above t ~ 709.78 (and ``e^(-t_j)`` below -709.78), so no epsilon above 709.79 could come out. Here
+    ``s_i = sum_{j >= i} p_j e^(t_i - t_j)`` (all exponents <= 0) comes from the recursion ``s_i = p_i + e^(-dt)
+    s_(i+1)`` on the uniform grid, and ``epsilon = t_i + log(P(L >= t_i) - delta) - log(s_i)``.
+    """
+    from scipy.signal import lfilter
+
+    if np.finfo(np.longdouble).eps * dprv.domain.size > delta - delta_error:
+        raise ValueError("Floating point errors will dominate for such small values of delta.")
+    t, p = dprv.domain.ts, dprv.pmf
+    tail = np.flip(np.flip(p).cumsum())  # P(L >= t_i)
+    scaled = np.flip(lfilter([1.0], [1.0, -math.exp(-dprv.domain.dt)], np.flip(p)))  # s_i
+    neg_delta = scaled - tail  # -delta(t_i), non-decreasing in i
+
+    def find_epsilon(target: float) -> float:
+        i = int(np.searchsorted(neg_delta, -target, side="left"))
+        if i <= 0 or i >= len(t):
+            raise RuntimeError("Cannot compute epsilon: the target delta is not reached on the grid")
+        return float(t[i] + math.log(tail[i] - target) - math.log(scaled[i]))
+
+    return find_epsilon(delta), find_epsilon(delta - delta_error) + eps_error
+
+
+@functools.lru_cache(maxsize=4096)
+def _prv_bounds_cached(history: tuple[SubsampledGaussian, ...], delta: float, eps_error: float) -> tuple[float, float]:
+    """``(estimate, upper bound)`` of epsilon by the PRV method on Opacus' primitives (public in
+    ``opacus.accountants.analysis.prv``): the safe domain of Remark 5.6, the mesh of Theorem 5.5, FFT composition."""
+    from opacus.accountants.analysis.prv import TruncatedPrivacyRandomVariable, compose_heterogeneous
+
+    delta_error = delta / 1000
+    prvs = [_subsampled_gaussian_prv(noise, rate) for noise, rate, _ in history]
+    steps = [s for *_, s in history]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+        half_width = _safe_domain_size(history, eps_error, delta_error)
+        mesh = eps_error / math.sqrt(sum(steps) * math.log(12 / delta_error) / 2)  # Theorem 5.5
+        domain = _fast_fft_domain(half_width, mesh)
+        if domain.size > PRV_MAX_GRID:
+            raise AccountingError(
+                f"the PRV grid for {sum(steps)} steps would have {domain.size:.3g} points (more than {PRV_MAX_GRID})"
+            )
+        truncated = [TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max) for prv in prvs]
+        composed = compose_heterogeneous([_discretise(t, domain) for t in truncated], steps)
+        estimate, upper = _discrete_epsilon(composed, delta, delta_error, eps_error)
+    if not (math.isfinite(upper) and math.isfinite(estimate)):
+        raise AccountingError(f"the PRV accountant returned a non-finite epsilon ({upper})")
+    return float(estimate), float(upper)
+
+
+def _prv_bounds(history: History, delta: float, eps_error: float) -> tuple[float, float]:
+    events = normalise(history)
+    if not events:
+        return 0.0, 0.0
+    try:
+        return _prv_bounds_cached(events, float(delta), float(eps_error))
+    except (RuntimeError, FloatingPointError, ValueError, OverflowError) as err:
+        raise AccountingError(f"the PRV accountant failed: {err}") from err
+
+
+def prv_epsilon(history: History, delta: float, eps_error: float = PRV_EPS_ERROR) -> float:
+    """Epsilon by the PRV accountant (Gopi et al. 2021): its upper bound, estimate + ``eps_error``.
+
+    Built on Opacus' implementation of the method (``opacus.accountants.analysis.prv``) with an FFT-friendly grid,
+    which makes one evaluation 3-10x faster (about 0.5 s for 1e5 steps); the tests cross-check it against the
+    independent ``prv-accountant`` package. Raises :class:`AccountingError` where the method fails (at high
+    epsilon: "Discrete mean differs significantly from continuous mean").
+    """
+    return _prv_bounds(history, delta, eps_error)[1]
