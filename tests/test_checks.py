@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_oso import OSODP, checks
+from lightning_oso import OSODP, checks, synthetic
 from lightning_oso.per_sample import BookKeeping
 from lightning_oso.validation import PrivacyConfigurationError
 
@@ -273,8 +273,8 @@ def test_synthetic_batch_uses_only_shapes_and_dtypes():
             [torch.full((1,), value, dtype=torch.float64)],
         )
 
-    a = checks.synthetic_batch(example(7.0), 4, torch.Generator().manual_seed(0))
-    b = checks.synthetic_batch(example(-1e6), 4, torch.Generator().manual_seed(0))
+    a = synthetic.synthetic_batch(example(7.0), 4, torch.Generator().manual_seed(0))
+    b = synthetic.synthetic_batch(example(-1e6), 4, torch.Generator().manual_seed(0))
     for u, v in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
         assert torch.equal(u, v)
     x, fields, (z,) = a
@@ -283,7 +283,7 @@ def test_synthetic_batch_uses_only_shapes_and_dtypes():
     assert fields["mask"].dtype == torch.bool and fields["mask"].all()
     assert z.shape == (4,) and z.dtype == torch.float64
     # with the loader's collate function: `size` synthetic records, laid out as the loader lays them out
-    records = checks.synthetic_batch((torch.zeros(5, 10), torch.tensor(0)), 4, collate=_time_major_collate)
+    records = synthetic.synthetic_batch((torch.zeros(5, 10), torch.tensor(0)), 4, collate=_time_major_collate)
     assert records[0].shape == (5, 4, 10) and torch.equal(records[1], torch.ones(4, dtype=torch.long))
 
 
