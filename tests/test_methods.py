@@ -1,4 +1,5 @@
-"""The competing methods (spec sections 2-4) and OSO with momentum (section 1.8): their maths on tensors, their
+"""The competing methods (docs/algorithms.md: "Fixed-threshold clipping", "Quantile clipping", "DPAdam and
+DPAdamWOSM") and OSO with momentum ("OSO-DPSGD"): their maths on tensors, their
 noise and sensitivity, and each trained end to end through the plugin."""
 
 import inspect

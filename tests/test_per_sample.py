@@ -181,7 +181,7 @@ def test_bad_grad_sample_mode_is_refused():
 @pytest.mark.slow
 def test_sensitivity_on_neighbouring_batches():
     """Removing one sample moves the fast path's clipped sum by at most C and its direction sum by at most 1
-    (spec section 1): the bound the noise is calibrated to."""
+    (docs/algorithms.md, "OSO-DPSGD"): the bound the noise is calibrated to."""
     from lightning_oso.clipping import OSOClipping
 
     torch.manual_seed(0)
