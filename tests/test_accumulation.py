@@ -159,7 +159,7 @@ def test_k_micro_batches_give_the_same_sanitised_steps_as_one_batch(monkeypatch,
         assert len(model.records) == 3 * accumulate
         for t in range(3):  # the k micro-batches of a step are the logical batch, in nearly equal parts
             parts = model.records[t * accumulate : (t + 1) * accumulate]
-            assert sorted(sum(parts, [])) == list(range(n))
+            assert sorted(i for part in parts for i in part) == list(range(n))
             assert {len(p) for p in parts} <= {n // accumulate, -(-n // accumulate)}
         runs.append((released, [p.detach().clone() for p in model.parameters()], dp.clip))
         monkeypatch.undo()

@@ -273,7 +273,7 @@ class DPCallback(RunSession):
         _check_whole_logical_batches(trainer)
         planned = trainer.estimated_stepping_batches  # optimizer steps: accumulate_grad_batches taken into account
         remaining = planned - trainer.global_step
-        if trainer.fast_dev_run:
+        if _debug_batches(trainer):
             # Lightning replaced max_epochs/max_steps by the debug steps: noise calibrated for them would spend the
             # whole budget on them. The shortest plan of a real run, one epoch, instead (_debug_run says so)
             remaining = max(remaining, self._training.steps_per_epoch or 1)
@@ -314,7 +314,7 @@ class DPCallback(RunSession):
             f"{multipliers}; budget epsilon={self.target_epsilon:.4g} at delta={self.target_delta:.3g} allows "
             f"{allowed} steps" + (f" after the {taken} in the accountant's history" if taken else "")
         )
-        if trainer.fast_dev_run:
+        if _debug_batches(trainer):
             self._debug_run(trainer, noise)
 
     def _debug_run(self, trainer: Trainer, noise: float) -> None:
@@ -397,7 +397,7 @@ class DPCallback(RunSession):
         for logger in trainer.loggers:
             logger.log_metrics({"dp/epsilon": epsilon}, step=trainer.global_step)
         ended = ""
-        if trainer.fast_dev_run:
+        if _debug_batches(trainer):
             ended = "; a fast_dev_run debug run, not a trained model"
         elif self.stop_reason:
             ended = f"; stopped early: {self.stop_reason}"
@@ -427,7 +427,6 @@ class DPCallback(RunSession):
             text += f" at the fixed noise_multiplier={self.requested_noise_multiplier:.4g}"
         return text
 
-
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self._strategy is not None:
@@ -453,10 +452,15 @@ def _check_whole_logical_batches(trainer: Trainer) -> None:
     is not a Poisson sample (``data.PoissonBatchSampler``)."""
     k, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
     if k > 1 and math.isfinite(batches) and int(batches) % k:
-        fix = f"fast_dev_run={k} (or a multiple)" if trainer.fast_dev_run else "limit_train_batches a multiple of k"
+        fix = f"fast_dev_run={k} (or a multiple)" if _debug_batches(trainer) else "limit_train_batches a multiple of k"
         raise PrivacyConfigurationError(
             f"accumulate_grad_batches={k} takes one optimizer step per {k} batches (the micro-batches of one "
             f"logical Poisson batch), but an epoch here has {int(batches)} batches (fast_dev_run or "
             f"limit_train_batches), not a multiple of {k}: its last step would release a part of a logical batch, "
             f"which is not a Poisson sample. Pass {fix}"
         )
+
+
+def _debug_batches(trainer: Trainer) -> int:
+    """``fast_dev_run``'s batch count (0 when off): Lightning sets the attribute outside the Trainer's annotations."""
+    return int(getattr(trainer, "fast_dev_run", 0))
