@@ -275,6 +275,7 @@ def test_fast_dev_run_with_whole_logical_batches_trains_one_step():
 
 
 # ------------------------------------------------------------------ item 7: fast_dev_run, early stop
+@pytest.mark.slow
 def test_fast_dev_run_runs_with_the_noise_of_a_real_plan_and_says_it_is_a_debug_run():
     """fast_dev_run=True: one step, with the noise calibrated for one epoch (not for the one step, which would
     spend the whole budget on it), and a warning that says so."""
