@@ -41,6 +41,17 @@ class PoissonBatchSampler:
     Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``: this object is its own ``sampler``, and
     the epoch does not enter the draws.
 
+    Micro-batches (``Trainer(accumulate_grad_batches=k)``): each batch drawn, a *logical* batch, is yielded as
+    ``micro_batches`` consecutive parts, in the order of the index set, of nearly equal sizes: a draw of ``m``
+    records gives ``m mod k`` parts of ``ceil(m / k)`` records and the others ``floor(m / k)``
+    (``torch.tensor_split``); with ``m < k`` the last ``k - m`` parts are empty, and still yielded (the training
+    step runs on an empty batch, as it does for an empty Poisson batch). The number of parts is always ``k``, so
+    nothing about the split but the sizes depends on the draw, and the sizes stay on the process. The union of the
+    parts is the Poisson sample the accountant sees; a part alone is not one, so the private step refuses to release
+    fewer than ``k`` parts. Unlike Opacus' ``BatchMemoryManager``, which cuts a logical batch into parts of at most
+    ``max_physical_batch_size`` records and so a varying number of them, the number of parts is fixed (Lightning
+    counts ``k`` batches per optimizer step) and their size varies with the draw, around ``q N / k``.
+
     Distributed: process ``rank`` of ``world_size`` samples only its shard, the records ``rank, rank + world_size,
     ...``, each at rate ``q`` from a stream of its own (its rank is part of the stream's key). The shards partition
     the records and the draws are independent, so the batches of all processes together are a Poisson sample of the
@@ -57,11 +68,12 @@ class PoissonBatchSampler:
         first_step: the step counter of the first batch (the ledger's executed steps when the sampler is made).
         indices: the dataset indices of the records to sample from, ``N`` of them without duplicates; the shards
             are the positions ``rank, rank + world_size, ...`` of this list. ``None``: ``range(num_samples)``.
+        micro_batches: the parts each logical batch is yielded in (``k``; 1: the batch itself).
 
     Raises:
         PrivacyConfigurationError: for a non-positive ``num_samples`` or ``steps``, ``sample_rate`` outside
-            ``(0, 1]``, ``rank`` outside ``[0, world_size)``, a negative ``first_step``, or ``indices`` of another
-            length than ``num_samples``.
+            ``(0, 1]``, ``rank`` outside ``[0, world_size)``, a negative ``first_step``, ``indices`` of another
+            length than ``num_samples``, or ``micro_batches`` below 1.
 
     Example:
         >>> sampler = PoissonBatchSampler(num_samples=1000, sample_rate=0.01, steps=3, seed=0)
@@ -70,6 +82,9 @@ class PoissonBatchSampler:
         (3, True)
         >>> list(PoissonBatchSampler(1000, 0.01, 3, seed=0)) == batches  # the same seed, the same batches
         True
+        >>> parts = list(PoissonBatchSampler(1000, 0.01, 3, seed=0, micro_batches=4))  # 3 logical batches, in 4 parts
+        >>> len(parts), [sum(parts[4 * t : 4 * t + 4], []) for t in range(3)] == batches
+        (12, True)
     """
 
     def __init__(
@@ -82,11 +97,13 @@ class PoissonBatchSampler:
         world_size: int = 1,
         first_step: int = 0,
         indices: Sequence[int] | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.sample_rate = _check_rate("sample_rate", sample_rate)
         self.steps = check_int("steps", steps, minimum=1)
         self.world_size = check_int("world_size", world_size, minimum=1)
+        self.micro_batches = check_int("micro_batches", micro_batches, minimum=1)
         if check_int("rank", rank) >= world_size:
             raise PrivacyConfigurationError(
                 f"rank must lie in [0, world_size), got rank={rank}, world_size={world_size}"
@@ -111,7 +128,8 @@ class PoissonBatchSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.steps
+        """Batches per epoch, as Lightning counts them: ``steps`` logical batches of ``micro_batches`` parts."""
+        return self.steps * self.micro_batches
 
     def __iter__(self) -> Iterator[list[int]]:
         shard = torch.arange(self.rank, self.num_samples, self.world_size)
@@ -119,7 +137,11 @@ class PoissonBatchSampler:
             step, self.next_step = self.next_step, self.next_step + 1
             generator = self.randomness.generator(SAMPLING, step, rank=self.rank)
             mask = randomness.uniform(len(shard), generator) < self.sample_rate
-            yield self._records(shard[mask])
+            if self.micro_batches == 1:
+                yield self._records(shard[mask])
+                continue
+            for part in torch.tensor_split(shard[mask], self.micro_batches):
+                yield self._records(part)
 
     def _records(self, positions: torch.Tensor) -> list[int]:
         """The dataset indices at these positions of the index set."""
@@ -127,15 +149,23 @@ class PoissonBatchSampler:
 
 
 def poisson_loader(
-    loader: DataLoader, seed: Seed | RunRandomness, rank: int = 0, world_size: int = 1, first_step: int = 0
+    loader: DataLoader,
+    seed: Seed | RunRandomness,
+    rank: int = 0,
+    world_size: int = 1,
+    first_step: int = 0,
+    accumulation: int = 1,
 ) -> DataLoader:
-    """A copy of ``loader`` whose batches are Poisson samples at rate ``q = world_size * batch_size / N``.
+    """A copy of ``loader`` whose batches are Poisson samples at rate ``q = accumulation * world_size * batch_size /
+    N``, each yielded as ``accumulation`` micro-batches (:class:`PoissonBatchSampler`).
 
     The records are those the loader's sampler draws from (:func:`index_set_of`): the whole dataset for a plain
     loader, a ``SubsetRandomSampler``'s indices; other samplers are refused. ``N`` is their number.
     The expected batch size is the loader's ``batch_size`` per process (as in Lightning's DDP), ``world_size`` times
-    that over all processes; an epoch keeps the loader's number of batches on one process, and has ``ceil(N / B)``
-    steps on several (``B`` the global expected batch size), so every process runs the same number. Workers,
+    that over all processes, ``accumulation`` times that per optimizer step with ``accumulate_grad_batches``. An
+    epoch has the optimizer steps Lightning would take on the loader: ``ceil(len(loader) / accumulation)`` on one
+    process, ``ceil(N / B)`` on several (``B`` the expected logical batch size over all processes), so every process
+    runs the same number; Lightning counts ``accumulation`` batches (micro-batches) per step. Workers,
     pinning, the collate function and the rest are kept; empty batches keep the structure of a real one (Opacus'
     ``wrap_collate_with_empty``), so models see tensors with a zero batch dimension. ``seed=None`` samples from the
     operating system's secure generator; ``first_step``: see :class:`PoissonBatchSampler`.
@@ -149,6 +179,9 @@ def poisson_loader(
         >>> loader = poisson_loader(DataLoader(data, batch_size=10), seed=0)
         >>> len(loader), loader.batch_sampler.sample_rate
         (10, 0.1)
+        >>> accumulated = poisson_loader(DataLoader(data, batch_size=10), seed=0, accumulation=2)
+        >>> len(accumulated), accumulated.batch_sampler.steps, accumulated.batch_sampler.sample_rate  # 5 steps of 2
+        (10, 5, 0.2)
     """
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
@@ -156,14 +189,15 @@ def poisson_loader(
             "the training dataset is an IterableDataset, which cannot be Poisson-sampled (each record must be "
             "reachable by index); use a map-style Dataset"
         )
-    batch_size = expected_batch_size_of(loader) * world_size
+    accumulation = check_int("accumulation", accumulation, minimum=1)
+    batch_size = expected_batch_size_of(loader) * world_size * accumulation
     dataset_size = _size_of(dataset)
     if dataset_size == 0:
         raise PrivacyConfigurationError("the training dataset is empty")
     indices = index_set_of(loader, rank, world_size)  # refuses samplers it cannot honour, before touching data
     num_samples = dataset_size if indices is None else len(indices)
     sample_rate = min(1.0, batch_size / num_samples)
-    steps = max(1, len(loader)) if world_size == 1 else math.ceil(num_samples / batch_size)
+    steps = math.ceil(max(1, len(loader)) / accumulation) if world_size == 1 else math.ceil(num_samples / batch_size)
     if isinstance(dataset, TensorDataset) and loader.collate_fn in (None, default_collate):
         # one index per tensor instead of one item at a time: the same batches (an empty one has the right shapes
         # by itself), without a Python call per record, which dominates full-batch steps on large datasets
@@ -178,7 +212,9 @@ def poisson_loader(
         )
     return DataLoader(
         dataset,
-        batch_sampler=PoissonBatchSampler(num_samples, sample_rate, steps, seed, rank, world_size, first_step, indices),
+        batch_sampler=PoissonBatchSampler(
+            num_samples, sample_rate, steps, seed, rank, world_size, first_step, indices, micro_batches=accumulation
+        ),
         collate_fn=collate,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,

@@ -76,6 +76,11 @@ def calibrated_noise_multiplier(
             epsilon = spent_epsilon()
             if epsilon >= target_epsilon:
                 raise budget_spent(steps, epsilon, target_epsilon, target_delta) from err
+            raise PrivacyConfigurationError(
+                f"{err}. After the {steps} steps taken (epsilon={epsilon:.4g} of {target_epsilon}), no noise "
+                f"multiplier lets the {int(remaining_steps)} steps the trainer still plans fit the budget: plan fewer "
+                "steps (max_epochs/max_steps), or pass noise_multiplier=... to train until the budget is spent"
+            ) from err
         raise PrivacyConfigurationError(str(err)) from err
 
 
@@ -158,9 +163,12 @@ def budget_spent(steps: int, epsilon: float, target_epsilon: float, target_delta
     """The error for a run whose ``steps`` taken have spent its budget (``epsilon`` of ``target_epsilon``)."""
     return PrivacyConfigurationError(
         f"the privacy budget is already spent ({steps} steps taken, epsilon={epsilon:.4g} of "
-        f"{target_epsilon} at delta={target_delta}); this run cannot train further. Plan the horizon "
-        "with max_epochs/max_steps when the noise is calibrated, or pass a larger noise_multiplier (or a larger "
-        "target_epsilon: the composition then continues over every step taken)"
+        f"{target_epsilon} at delta={target_delta}); this run cannot train further under this budget: only a larger "
+        "target_epsilon allows more steps (the composition continues over every step taken). To spend a budget "
+        "over the whole training next time, plan the horizon: with the noise calibrated from target_epsilon, set "
+        "max_epochs/max_steps to every step the run will take, resumes included (the noise is then spread over "
+        "them); or fix noise_multiplier=... and let training stop when the budget is spent (a larger "
+        "noise_multiplier allows more steps)"
     )
 
 

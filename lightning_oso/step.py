@@ -1,10 +1,14 @@
 """One private step, as named stages on tensors (docs/algorithms.md, "OSO-DPSGD", steps 2-4):
 
-    norms -> weights -> weighted sums -> add noise -> reduce across processes -> scale
+    norms -> weights -> weighted sums | add noise -> reduce across processes -> scale
 
-:func:`sanitise` runs the stages in this order and returns a :class:`SanitisedStep`. It is the one path: the strategy
-(``lightning_oso.strategies``) calls it once per optimizer step and writes the sanitised gradient into the
-parameters; the tests call it too. The clipping rule (``lightning_oso.clipping``) says which weights the norms give
+:func:`sanitise` runs the stages in this order and returns a :class:`SanitisedStep`. It is the one path, in two
+parts: :func:`clip_and_sum` (the stages before the bar, on one batch or micro-batch, adding into a
+:class:`ClippedSums`) and :func:`release` (the rest, once per optimizer step). The strategy
+(``lightning_oso.strategies``) runs ``clip_and_sum`` after each backward pass and ``release`` once per optimizer
+step, then writes the sanitised gradient into the parameters; with ``Trainer(accumulate_grad_batches=k)`` the k
+micro-batches of one logical Poisson batch are added up before the one release (docs/algorithms.md, "What is
+private"). The tests call them too. The clipping rule (``lightning_oso.clipping``) says which weights the norms give
 and how much noise each query gets; the weight functions it uses are the ones below.
 
 What depends on the run comes in as small callables: the noise (drawn by rank 0 only, from a stream keyed on the
@@ -60,6 +64,108 @@ class SanitisedStep:
         return [s[self.gradient_row] for s in self.sums]
 
 
+@dataclass
+class ClippedSums:
+    """One logical batch's clipped sums on this process, before any noise: what :func:`clip_and_sum` adds up over
+    the batch's micro-batches (``Trainer(accumulate_grad_batches=k)``) and :func:`release` noises, sums across
+    processes and scales, once per optimizer step. Never released as such: it holds raw (un-noised) sums.
+
+    Attributes:
+        sums: per trainable parameter, the rule's weighted sums ``[k, *param.shape]``, in float32 or wider.
+        scalars: the sums of the rule's scalar contributions (``[m]``), or ``None`` for a rule without scalars.
+        nonfinite: the number of non-finite per-sample norms (a 0-dim tensor on the device: no host read).
+        norms: the per-sample norms of each micro-batch (for the opt-in, non-private diagnostics only).
+        size: the number of samples on this process (a host int: the micro-batches' sizes).
+        micro_batches: how many micro-batches were added.
+    """
+
+    sums: list[Tensor]
+    scalars: Tensor | None
+    nonfinite: Tensor
+    norms: list[Tensor]
+    size: int
+    micro_batches: int
+
+
+def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedSums | None = None) -> ClippedSums:
+    """Stages 1-3 of the step on one (micro-)batch: norms -> the rule's weights -> weighted sums, added to ``into``
+    (the sums of the logical batch's earlier micro-batches) or to zero. The per-sample state of ``per_sample`` is
+    released once its sums are taken, so a logical batch's memory is that of its largest micro-batch plus one
+    ``[k, *param.shape]`` sum per parameter.
+
+    Clipping is per sample, with the rule's current threshold (it changes only after the optimizer step), so the
+    sum over the micro-batches of their clipped sums is the clipped sum of the logical batch, sample by sample.
+    The sums are kept in float32 or wider whatever the dtype of the per-sample gradients.
+    """
+    norms = per_sample.norms()
+    weights = rule.weights(norms)
+    # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter was
+    # used may depend on the data
+    sums = per_sample.weighted_sums(weights)
+    per_sample.release()
+    contributions = rule.scalar_queries(norms)
+    scalars = contributions.sum(dim=0) if contributions is not None else None
+    # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so a step holding one must not
+    # be released, not even noised over. The count travels with the sums, so every process refuses the same step.
+    nonfinite = count_nonfinite(norms)
+    if into is None:
+        return ClippedSums(
+            sums=[s.to(_at_least_float32(s.dtype)) for s in sums],
+            scalars=None if scalars is None else scalars.to(_at_least_float32(scalars.dtype)),
+            nonfinite=nonfinite,
+            norms=[norms],
+            size=norms.shape[0],
+            micro_batches=1,
+        )
+    for total, s in zip(into.sums, sums):
+        total.add_(s)
+    if into.scalars is not None and scalars is not None:
+        into.scalars.add_(scalars)
+    into.nonfinite = into.nonfinite + nonfinite
+    into.norms.append(norms)
+    into.size += norms.shape[0]
+    into.micro_batches += 1
+    return into
+
+
+def release(
+    clipped: ClippedSums,
+    rule: ClippingRule,
+    expected_batch_size: float,
+    *,
+    add_noise: AddNoise,
+    sum_across_processes: Reduce | None = None,
+    record_step: Callable[[], None] | None = None,
+    refuse: Refuse | None = None,
+) -> SanitisedStep:
+    """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: add noise ->
+    reduce across processes (with the refusal count) -> refuse a non-finite step or record it in the ledger ->
+    scale by the expected batch size. Arguments as in :func:`sanitise`."""
+    # -> add noise
+    noisy = add_noise(clipped.sums, rule.noise_stds())
+    scalar_sums = [clipped.scalars] if clipped.scalars is not None else []
+    noisy_scalars = add_noise(scalar_sums, _scalar_stds(rule)) if scalar_sums else []
+
+    # -> reduce across processes (the refusal flag with them)
+    flag_dtype = clipped.sums[0].dtype if clipped.sums else torch.float32
+    totals = [*noisy, *noisy_scalars, clipped.nonfinite.to(flag_dtype).reshape(1)]
+    if sum_across_processes is not None:
+        totals = sum_across_processes(totals)
+
+    # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while the
+    # host waits)
+    if bool(totals[-1].any()):
+        (refuse or refuse_step)(int(clipped.nonfinite), clipped.size)
+    # the write-ahead record: charged (and on disk) before anything of the step can leave this function
+    if record_step is not None:
+        record_step()
+
+    # -> scale
+    released = average(totals[: len(clipped.sums)], expected_batch_size)
+    scalars = average(totals[len(clipped.sums) : -1], expected_batch_size)[0] if scalar_sums else None
+    return SanitisedStep(sums=tuple(released), scalars=scalars, gradient_row=rule.GRADIENT)
+
+
 def sanitise(
     per_sample: PerSampleSource,
     rule: ClippingRule,
@@ -71,7 +177,9 @@ def sanitise(
     refuse: Refuse | None = None,
     observe_norms: Callable[[Tensor], None] | None = None,
 ) -> SanitisedStep:
-    """One private step on this process's batch, from its per-sample gradients to the released queries.
+    """One private step on this process's batch, from its per-sample gradients to the released queries:
+    :func:`clip_and_sum`, then :func:`release` (the strategy runs the two apart when a logical batch comes in
+    several micro-batches).
 
     Args:
         per_sample: the batch's per-sample norms and weighted sums (``lightning_oso.per_sample``); released after the
@@ -106,42 +214,22 @@ def sanitise(
         >>> [g.shape for g in released.gradients]
         [torch.Size([4, 5]), torch.Size([5])]
     """
-    # norms -> weights
-    norms = per_sample.norms()
-    weights = rule.weights(norms)
+    clipped = clip_and_sum(per_sample, rule)
     if observe_norms is not None:
-        observe_norms(norms)
-    # -> weighted sums. Parameters not used in this step get zero sums, still noised: whether a parameter was used
-    # may depend on the data
-    sums = per_sample.weighted_sums(weights)
-    per_sample.release()
-    contributions = rule.scalar_queries(norms)
-    scalar_sums = [contributions.sum(dim=0)] if contributions is not None else []
-    # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so such a step must not be
-    # released, not even noised over. The count travels with the sums, so every process refuses the same step.
-    nonfinite = count_nonfinite(norms)
+        observe_norms(clipped.norms[0])
+    return release(
+        clipped,
+        rule,
+        expected_batch_size,
+        add_noise=add_noise,
+        sum_across_processes=sum_across_processes,
+        record_step=record_step,
+        refuse=refuse,
+    )
 
-    # -> add noise
-    noisy = add_noise(sums, rule.noise_stds())
-    noisy_scalars = add_noise(scalar_sums, _scalar_stds(rule)) if scalar_sums else []
 
-    # -> reduce across processes (the refusal flag with them)
-    totals = [*noisy, *noisy_scalars, nonfinite.to(norms.dtype).reshape(1)]
-    if sum_across_processes is not None:
-        totals = sum_across_processes(totals)
-
-    # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while the
-    # host waits)
-    if bool(totals[-1].any()):
-        (refuse or refuse_step)(int(nonfinite), norms.shape[0])
-    # the write-ahead record: charged (and on disk) before anything of the step can leave this function
-    if record_step is not None:
-        record_step()
-
-    # -> scale
-    released = average(totals[: len(sums)], expected_batch_size)
-    scalars = average(totals[len(sums) : -1], expected_batch_size)[0] if scalar_sums else None
-    return SanitisedStep(sums=tuple(released), scalars=scalars, gradient_row=rule.GRADIENT)
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------- weights

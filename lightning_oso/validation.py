@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import numpy as np
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -71,11 +72,13 @@ def validate_model(module: nn.Module) -> None:
 
 def validate_trainer(trainer) -> None:
     """Refuse trainer settings that would break per-sample sensitivity or the accounting."""
-    if trainer.accumulate_grad_batches != 1:
+    # accumulate_grad_batches=k is supported: one Poisson logical batch per optimizer step, in k micro-batches
+    # (data.PoissonBatchSampler); only a k that changes during the fit is refused
+    if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
         raise PrivacyConfigurationError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: accumulating several Poisson batches before "
-            "one noisy step breaks the per-step accounting. Use accumulate_grad_batches=1 and a larger batch_size "
-            "in the DataLoader (the expected batch size sets the sampling rate)."
+            "GradientAccumulationScheduler changes accumulate_grad_batches during training, and with it the Poisson "
+            "sampling rate q = accumulate_grad_batches * batch_size / N that the noise was calibrated and the steps "
+            "are accounted for: pass one Trainer(accumulate_grad_batches=k) instead"
         )
     if trainer.gradient_clip_val is not None and trainer.gradient_clip_val != 0:
         raise PrivacyConfigurationError(

@@ -10,6 +10,9 @@ Scenarios:
     resume    as ``train`` with deterministic_resume, 4 epochs at a fixed noise multiplier; with CKPT=part, one
               epoch and its checkpoint (an interrupted run); with CKPT=load, resume that checkpoint to 4 epochs.
     nan       an inf input on rank 1 in step 2 only: every process must refuse the step (none hangs).
+    accumulate
+              OSO with accumulate_grad_batches=2 and 5 records per process and micro-batch (q = 2 * 5 * 2 / 200 = 0.1,
+              as ``train``), 2 epochs at a fixed noise multiplier; records the micro-batches each process saw.
     sum       training_step returns a sum where a mean is declared: every process refuses it before the first step
               (the consistency checks run on the same synthetic batch everywhere).
 """
@@ -78,6 +81,10 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
         model = Indexed()
         dp = OSODP(target_epsilon=3.0, target_delta=1e-3, noise_multiplier=1.0, seed=3)
         plan = dict(max_epochs=1)
+    elif scenario == "accumulate":
+        model = Indexed(momentum=0.5)
+        dp = OSODP(target_epsilon=10.0, target_delta=1e-3, noise_multiplier=1.5, seed=3)
+        plan = dict(max_epochs=2, accumulate_grad_batches=2)
     else:  # resume
         model = Indexed(momentum=0.5)
         dp = OSODP(target_epsilon=10.0, target_delta=1e-3, noise_multiplier=1.0, seed=3, deterministic_resume=True)
@@ -101,7 +108,8 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
     )
     data = indexed_data() if scenario != "noise" else toy_data(N)
     resume_from = str(out / "epoch=0.ckpt") if ckpt == "load" else None
-    trainer.fit(model, DataLoader(data, batch_size=PER_PROCESS_BATCH), ckpt_path=resume_from)
+    batch_size = PER_PROCESS_BATCH // 2 if scenario == "accumulate" else PER_PROCESS_BATCH
+    trainer.fit(model, DataLoader(data, batch_size=batch_size), ckpt_path=resume_from)
     rank = trainer.global_rank
     torch.save(
         {

@@ -65,6 +65,24 @@ def test_processes_stay_identical_and_spend_what_one_process_would(tmp_path):
 
 
 @pytest.mark.slow
+def test_accumulated_micro_batches_make_one_step_across_processes(tmp_path):
+    """accumulate_grad_batches=2 on 2 processes: each process runs 2 micro-batches of its shard per optimizer step,
+    the processes stay identical (one all-reduce per optimizer step), and the run is accounted as one process with
+    the global logical batch: q = 2 * 5 * 2 / 200, ceil(N / qN) = 10 optimizer steps an epoch."""
+    ranks = _launch("accumulate", tmp_path)
+    _same_on_every_process(ranks, ["clip", "lr", "steps", "epsilon", "sample_rate"])
+    run = ranks[0]
+    assert run["sample_rate"] == pytest.approx(0.1) and run["steps"] == 2 * 10
+    for r, seen in enumerate(r["seen"] for r in ranks):
+        assert len(seen) == 2 * run["steps"] and all(i % 2 == r for batch in seen for i in batch)
+        for t in range(run["steps"]):  # the two parts of a logical batch: nearly equal, disjoint
+            first, second = seen[2 * t], seen[2 * t + 1]
+            assert abs(len(first) - len(second)) <= 1 and not set(first) & set(second)
+    history = [(run["noise_multiplier"], 0.1, run["steps"])]
+    assert run["epsilon"] == pytest.approx(compute_epsilon(history, 1e-3), rel=1e-9)
+
+
+@pytest.mark.slow
 def test_noise_is_added_once_globally(tmp_path):
     """Zero gradients, one step with lr 1: the weights move by the noise alone, std nu C / B with B the global
     expected batch size, as on one process. Noise added by each process would show sqrt(2) times that."""

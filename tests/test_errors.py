@@ -97,9 +97,13 @@ def test_instance_norm_with_running_stats_is_refused(fit_toy):
         fit_toy(model)
 
 
-def test_accumulate_grad_batches_refused(fit_toy):
-    with pytest.raises(PrivacyConfigurationError, match="accumulate_grad_batches"):
-        fit_toy(accumulate_grad_batches=2)
+def test_accumulate_grad_batches_trains_one_logical_batch_per_step(fit_toy):
+    """Refused before issue 14; now k micro-batches make one optimizer step at q = k b / N (tests/test_accumulation.py
+    has the rest)."""
+    trainer = fit_toy(accumulate_grad_batches=2)
+    dp = trainer.callbacks[0]
+    assert dp.sample_rate == pytest.approx(2 * 20 / 200)
+    assert dp.steps == trainer.global_step == 3 * 5
 
 
 def test_gradient_clip_val_refused(fit_toy):

@@ -116,6 +116,7 @@ class DPCallback(RunSession):
         self.stop_reason: str | None = None
         self._epsilon_cache: tuple[int, float] | None = None
         self._step_noise_multiplier: float | None = None
+        self._planned_steps: float | None = None  # the trainer's global step at which this fit's plan ends
 
     # ------------------------------------------------------------------ what a method defines
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ClippingRule:
@@ -269,10 +270,17 @@ class DPCallback(RunSession):
                 f"target_delta={self.target_delta} is not below 1/N = {1.0 / num_samples:.3g} (N={num_samples} "
                 "records): a mechanism that publishes one random record meets such a delta. Use delta << 1/N."
             )
-        planned = trainer.estimated_stepping_batches
+        _check_whole_logical_batches(trainer)
+        planned = trainer.estimated_stepping_batches  # optimizer steps: accumulate_grad_batches taken into account
+        remaining = planned - trainer.global_step
+        if _debug_batches(trainer):
+            # Lightning replaced max_epochs/max_steps by the debug steps: noise calibrated for them would spend the
+            # whole budget on them. The shortest plan of a real run, one epoch, instead (_debug_run says so)
+            remaining = max(remaining, self._training.steps_per_epoch or 1)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
         taken = self.accountant.steps
-        noise, allowed = self.plan(q, planned - trainer.global_step, limit)
+        noise, allowed = self.plan(q, remaining, limit)
+        self._planned_steps = trainer.global_step + remaining
         self.max_steps = taken + allowed
         if allowed < 1:
             raise planning.no_step_allowed(
@@ -281,7 +289,7 @@ class DPCallback(RunSession):
         planning.check_min_steps(
             trainer.fit_loop.min_steps or 0,
             trainer.fit_loop.min_epochs or 0,
-            trainer.num_training_batches,
+            trainer.num_training_batches / trainer.accumulate_grad_batches,  # optimizer steps per epoch
             trainer.global_step,
             allowed,
         )
@@ -305,6 +313,25 @@ class DPCallback(RunSession):
             f"{type(self).__name__}: N={num_samples}, q={q:.4g} (expected batch {expected_batch_size:.1f}), "
             f"{multipliers}; budget epsilon={self.target_epsilon:.4g} at delta={self.target_delta:.3g} allows "
             f"{allowed} steps" + (f" after the {taken} in the accountant's history" if taken else "")
+        )
+        if _debug_batches(trainer):
+            self._debug_run(trainer, noise)
+
+    def _debug_run(self, trainer: Trainer, noise: float) -> None:
+        """Say that a ``fast_dev_run`` is a debug run, and with which noise it runs."""
+        steps = min(int(trainer.max_steps), int(trainer.num_training_batches) // trainer.accumulate_grad_batches)
+        if self.requested_noise_multiplier is not None:
+            noise_text = f"the requested noise_multiplier={noise:.4g}"
+        else:
+            noise_text = (
+                f"nu={noise:.4g}, calibrated for one epoch ({self._training.steps_per_epoch} steps), the shortest plan "
+                f"of a real run, not for the {steps} debug step(s), which would spend the whole budget on them; pass "
+                "noise_multiplier=<the planned run's dp/noise_multiplier> to debug with exactly its noise (Lightning "
+                "replaces max_epochs/max_steps by the debug steps, so the planned horizon is not known here)"
+            )
+        rank_zero_warn(
+            f"{type(self).__name__}: fast_dev_run is a debug run of {steps} private step(s), not a training run: "
+            f"the noise is {noise_text}. Its steps are charged like any other (to this run's accountant and ledger)."
         )
 
     def _resolve_noise_multiplier(self, sample_rate: float, remaining_steps: float) -> float:
@@ -369,11 +396,36 @@ class DPCallback(RunSession):
         epsilon = self.epsilon
         for logger in trainer.loggers:
             logger.log_metrics({"dp/epsilon": epsilon}, step=trainer.global_step)
+        ended = ""
+        if _debug_batches(trainer):
+            ended = "; a fast_dev_run debug run, not a trained model"
+        elif self.stop_reason:
+            ended = f"; stopped early: {self.stop_reason}"
+        elif self._planned_steps is not None and trainer.global_step < self._planned_steps:
+            ended = self._ended_before_plan(trainer, epsilon)
         rank_zero_info(
             f"{type(self).__name__}: {self.accountant.steps} private steps, epsilon={epsilon:.4f} (target "
-            f"{self.target_epsilon}) at delta={self.target_delta}, final C_t={self.clip:.4g}"
-            + (f"; stopped early: {self.stop_reason}" if self.stop_reason else "")
+            f"{self.target_epsilon}) at delta={self.target_delta}, final C_t={self.clip:.4g}" + ended
         )
+
+    def _ended_before_plan(self, trainer: Trainer, epsilon: float) -> str:
+        """What the end of a fit stopped before its planned steps by something else than the budget
+        (EarlyStopping, a callback setting ``should_stop``) means for the budget."""
+        planned = int(self._planned_steps or 0)
+        share = epsilon / self.target_epsilon
+        text = (
+            f"; training ended after {trainer.global_step} of the {planned} planned optimizer steps (EarlyStopping or "
+            f"another stop), having spent {share:.0%} of the budget (epsilon={epsilon:.4f} of {self.target_epsilon})"
+        )
+        if self.requested_noise_multiplier is None:
+            text += (
+                f". The noise (nu={self.noise_multiplier:.4g}) was calibrated for the {planned} planned steps, so "
+                "the rest of the budget goes unused: had the plan (max_epochs/max_steps) been this short, the noise "
+                "would have been smaller"
+            )
+        else:
+            text += f" at the fixed noise_multiplier={self.requested_noise_multiplier:.4g}"
+        return text
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -392,3 +444,23 @@ class DPCallback(RunSession):
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": sample_rate,
         }
+
+
+def _check_whole_logical_batches(trainer: Trainer) -> None:
+    """Refuse an epoch that does not hold whole logical batches under ``accumulate_grad_batches=k``: Lightning steps
+    the optimizer at an epoch's last batch, so its last step would release a part of a logical Poisson batch, which
+    is not a Poisson sample (``data.PoissonBatchSampler``)."""
+    k, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
+    if k > 1 and math.isfinite(batches) and int(batches) % k:
+        fix = f"fast_dev_run={k} (or a multiple)" if _debug_batches(trainer) else "limit_train_batches a multiple of k"
+        raise PrivacyConfigurationError(
+            f"accumulate_grad_batches={k} takes one optimizer step per {k} batches (the micro-batches of one "
+            f"logical Poisson batch), but an epoch here has {int(batches)} batches (fast_dev_run or "
+            f"limit_train_batches), not a multiple of {k}: its last step would release a part of a logical batch, "
+            f"which is not a Poisson sample. Pass {fix}"
+        )
+
+
+def _debug_batches(trainer: Trainer) -> int:
+    """``fast_dev_run``'s batch count (0 when off): Lightning sets the attribute outside the Trainer's annotations."""
+    return int(getattr(trainer, "fast_dev_run", 0))

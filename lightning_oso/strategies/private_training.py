@@ -5,11 +5,18 @@
 2. Hooks attached to the user's module without wrapping it keep what backward needs for per-sample norms and sums
    (``per_sample.attach``): each layer's input and output gradient (``per_sample.BookKeeping``, the default fast
    path) or, with ``grad_sample_mode="hooks"``, every per-sample gradient (Opacus' hooks fill ``p.grad_sample``).
-3. ``optimizer_step`` runs Lightning's closure (forward + backward), then replaces every gradient by its
-   sanitised value (``step.sanitise``: per-sample norms -> the clipping rule's weights -> weighted sums -> noise ->
-   sum across processes -> division by ``B``), *before* the ``on_before_optimizer_step`` hooks and the optimizer
-   see it, then steps, then lets the rule update itself (``C_t``) and the learning rate (``rho_t``) from the
-   sanitised values.
+3. ``backward``: after each backward pass, the batch's per-sample norms -> the clipping rule's weights -> weighted
+   sums (``step.clip_and_sum``), added to the logical batch's sums; the per-sample state is let go.
+4. ``optimizer_step`` runs Lightning's closure (forward + backward), then replaces every gradient by its
+   sanitised value (``step.release``: noise -> sum across processes -> division by ``B``), *before* the
+   ``on_before_optimizer_step`` hooks and the optimizer see it, then steps, then lets the rule update itself
+   (``C_t``) and the learning rate (``rho_t``) from the sanitised values.
+
+With ``Trainer(accumulate_grad_batches=k)`` the Poisson sampler yields each logical batch (rate
+``q = k * batch_size * world_size / N``) as ``k`` micro-batches (``data.PoissonBatchSampler``); Lightning runs
+training_step and backward on each, and the optimizer step after the k-th: the clipped sums of the k micro-batches
+are added up in 3, and 4 noises, reduces, records and accounts them once. Lightning divides each micro-batch's loss
+by k; ``backward`` multiplies it back, so that every sample's gradient is its own loss's, as without accumulation.
 
 The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
 the accounting.
@@ -32,7 +39,7 @@ from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import NOISE, Generator, RunRandomness
-from lightning_oso.step import SanitisedStep, add_gaussian_noise, refuse_step, sanitise
+from lightning_oso.step import ClippedSums, SanitisedStep, add_gaussian_noise, clip_and_sum, refuse_step, release
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -75,6 +82,11 @@ class PrivateTraining(_StrategyBase):
         self.collect_diagnostics = False
         self._noise_stream: tuple[int, Generator] | None = None  # (step, generator) of the step being privatised
         self._training_data: tuple[Any, Any] | None = None  # (dataset, collate_fn): the structure for the checks
+        #: micro-batches per optimizer step (the trainer's accumulate_grad_batches), set with the training loader
+        self.accumulation = 1
+        #: optimizer steps per epoch of the Poisson-sampled training loader
+        self.steps_per_epoch: int | None = None
+        self._clipped: ClippedSums | None = None  # the logical batch's clipped sums so far (never released as such)
         self.diagnostics: dict[str, Tensor] = {}
 
     @property
@@ -132,16 +144,19 @@ class PrivateTraining(_StrategyBase):
                 f"{type(dataloader).__name__}"
             )
         self._training_data = (dataloader.dataset, dataloader.collate_fn)
+        self.accumulation = int(trainer.accumulate_grad_batches)
         loader = poisson_loader(
             dataloader,
             seed=self.randomness,
             rank=self.global_rank,
             world_size=self.world_size,
             first_step=self.executed_steps,
+            accumulation=self.accumulation,
         )
         sampler = cast(PoissonBatchSampler, loader.batch_sampler)
         self.num_samples = sampler.num_samples
         self.sample_rate = sampler.sample_rate
+        self.steps_per_epoch = sampler.steps
         # B = qN over all processes (docs/algorithms.md, "What is private")
         self.expected_batch_size = self.sample_rate * self.num_samples
         return loader
@@ -166,6 +181,7 @@ class PrivateTraining(_StrategyBase):
         """Once per fit, before the first private step: the consistency checks of the model against the per-sample
         path (``checks``), on a synthetic batch shaped like the first training record, never on a private one."""
         super().on_train_start()
+        self._clipped = None  # nothing of an interrupted fit's logical batch carries over
         if self.rule is not None and self._hooks is not None and self._training_data is not None:
             params = [p for group in self.optimizers[0].param_groups for p in group["params"] if p.requires_grad]
             checks.check_before_training(self, params, *self._training_data)
@@ -179,6 +195,40 @@ class PrivateTraining(_StrategyBase):
             self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
             self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
         return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward pass, then this (micro-)batch's clipped sums are added to the logical batch's
+        (``step.clip_and_sum``) and its per-sample state is let go: peak memory is that of one micro-batch."""
+        if self.rule is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.accumulation > 1:
+            # Lightning divides each micro-batch's loss by k; undone, so that every sample's gradient is that of
+            # its own loss, as in a step without accumulation (the clipping threshold means the same)
+            closure_loss = closure_loss * self.accumulation
+        try:
+            result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            if isinstance(self._hooks, BookKeeping):
+                self._hooks.unfreeze()  # the trainable parameters are those that require gradients again
+        self._add_micro_batch(optimizer if optimizer is not None else self.optimizers[0])
+        return result
+
+    def _trainable(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def _add_micro_batch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Add the last backward pass's clipped sums to the logical batch's."""
+        if self.rule is None:
+            raise RuntimeError("the private step needs a DP callback's rule")
+        source = per_sample.source(self._hooks, self._trainable(optimizer))
+        if source.empty and self._batch_size != 0:
+            raise RuntimeError(
+                "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
+                "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
+                "return the loss to backpropagate."
+            )
+        self._clipped = clip_and_sum(source, self.rule, into=self._clipped)
 
     @override
     def optimizer_step(
@@ -211,31 +261,43 @@ class PrivateTraining(_StrategyBase):
         return result
 
     def privatise(self, optimizer: torch.optim.Optimizer) -> SanitisedStep:
-        """Replace each trainable parameter's gradient by the sanitised clipped-gradient query.
+        """Replace each trainable parameter's gradient by the sanitised clipped-gradient query of the logical batch
+        (its micro-batches' clipped sums, added up after each backward pass), once per optimizer step.
 
         Returns the released step (``step.SanitisedStep``): the sanitised vector queries per parameter
         (``[k, *shape]``; row ``rule.GRADIENT`` is the new gradient) and the rule's sanitised scalar queries (``[m]``,
         or ``None`` if it has none).
+
+        Raises:
+            RuntimeError: the logical batch did not come in exactly ``accumulation`` micro-batches (a training_step
+                that returned no loss, or a loop that stepped early): nothing is released or charged.
         """
         if self.rule is None or self.expected_batch_size is None:
             raise RuntimeError("the private step needs a DP callback's rule and a Poisson-sampled training loader")
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        source = per_sample.source(self._hooks, params)
-        if source.empty and self._batch_size != 0:
+        params = self._trainable(optimizer)
+        clipped, self._clipped = self._clipped, None  # a step's sums never carry over to the next, even if refused
+        if clipped is None:  # no backward pass went through this strategy's backward (e.g. no loss)
+            self._add_micro_batch(optimizer)
+            clipped, self._clipped = self._clipped, None
+        assert clipped is not None
+        if clipped.micro_batches != self.accumulation:
             raise RuntimeError(
-                "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
-                "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
-                "return the loss to backpropagate."
+                f"the optimizer step came after {clipped.micro_batches} micro-batch(es) of a logical batch that has "
+                f"{self.accumulation} (accumulate_grad_batches): a part of a Poisson batch is not a Poisson sample, "
+                "so the step is refused and nothing of it is released. Every training_step must return the loss, "
+                "and the epoch must hold whole logical batches (limit_train_batches, fast_dev_run and a checkpoint "
+                "saved between two optimizer steps can cut one)."
             )
-        released = sanitise(
-            source,
+        if self.collect_diagnostics:
+            self._observe_norms(torch.cat(clipped.norms))
+        released = release(
+            clipped,
             self.rule,
             self.expected_batch_size,
             add_noise=self.add_noise,
             sum_across_processes=self.sum_across_processes,
             record_step=self.ledger.record_step if self.ledger is not None else None,
             refuse=self._refuse_step,
-            observe_norms=self._observe_norms if self.collect_diagnostics else None,
         )
         # the ledger has charged the step (sanitise's write-ahead record): the gradients may now be written
         for p, gradient in zip(params, released.gradients):
