@@ -6,7 +6,6 @@ and the weighted sums equal the reference's."""
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from lightning_oso.per_sample import BookKeeping, fast_path, per_sample_norms, weighted_sums
 
@@ -205,9 +204,7 @@ def test_fast_path_equals_one_record_at_a_time(name, frozen):
 
 
 def test_the_zoo_exercises_both_the_fast_path_and_the_fallback():
-    fast = {
-        name for name, (make, _) in ZOO.items() if all(fast_path(m) is not None for m in _trained_layers(make()))
-    }
+    fast = {name for name, (make, _) in ZOO.items() if all(fast_path(m) is not None for m in _trained_layers(make()))}
     assert {"conv1d-reflect", "conv2d-groups", "conv3d", "conv-transpose2d-groups", "bag-max-offsets"} <= fast
     assert {"prelu", "bilinear", "raw-parameters", "keywords-raw-parameter", "rmsnorm"}.isdisjoint(fast)
 
@@ -257,7 +254,7 @@ def test_embedding_on_indices_shared_by_the_batch_is_looked_up_per_record():
     model = Positions()
     x = tokens((4,))(torch.Generator().manual_seed(0))
     y = torch.randn(N, 1000, generator=torch.Generator().manual_seed(1))
-    params, reference = _reference(model, x, y)
+    _, reference = _reference(model, x, y)
     bk = BookKeeping(model, loss_reduction="sum")
     out = model(x)
     _loss(out, y).backward()
@@ -271,7 +268,7 @@ def test_frequency_scaled_and_renormalised_embeddings_are_refused():
     from lightning_oso.validation import PrivacyConfigurationError, validate_model
 
     for layer in (nn.Embedding(5, 2, scale_grad_by_freq=True), nn.EmbeddingBag(5, 2, max_norm=1.0)):
-        with pytest.raises(PrivacyConfigurationError, match="scale_grad_by_freq|max_norm"):
+        with pytest.raises(PrivacyConfigurationError, match=r"scale_grad_by_freq|max_norm"):
             validate_model(seq(layer))
 
 

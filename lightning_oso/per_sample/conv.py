@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.grad import conv1d_weight, conv2d_weight, conv3d_weight
+from torch.nn.modules.conv import _ConvNd
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.linear import OuterProduct
@@ -30,18 +32,18 @@ _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _WEIGHT_GRAD: dict[int, Callable[..., Tensor]] = {1: conv1d_weight, 2: conv2d_weight, 3: conv3d_weight}
 
 
-def _padded(layer: nn.Module, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def _padded(layer: _ConvNd, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     """The input as the convolution proper sees it, and the padding left to that convolution."""
     if isinstance(layer, _TRANSPOSED):
-        return x, tuple(layer.padding)  # zeros only (torch's transposed convolutions have no other mode)
+        return x, tuple(cast(tuple[int, ...], layer.padding))  # zeros only (no other mode for transposed ones)
     if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
         mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
         return F.pad(x, layer._reversed_padding_repeated_twice, mode=mode), (0,) * len(layer.kernel_size)
-    return x, tuple(layer.padding)
+    return x, tuple(layer.padding)  # not a string: handled above
 
 
 @register_fast_path(*_CONVS, *_TRANSPOSED)
-def conv(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
+def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
     """Any convolution: ghost norm over unfolded patches where that is clearly cheaper (1-d/2-d, one group, not
     transposed), else the per-sample weight gradients from one grouped convolution, which needs no unfolded copy of
     the input (``C k k`` times its size)."""

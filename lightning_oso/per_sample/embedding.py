@@ -1,6 +1,7 @@
-"""``nn.Embedding`` and ``nn.EmbeddingBag``. Embedding: the one-hot input makes the weight's per-sample gradient a scatter of the output gradients
-into the rows of the looked-up indices; its norm is a ghost norm with exact ``a_it . a_is = [idx_it = idx_is]``
-(docs/algorithms.md, "Sensitivity of the fast path")."""
+"""``nn.Embedding`` and ``nn.EmbeddingBag``. Embedding: the one-hot input makes the weight's per-sample gradient a
+scatter of the output gradients into the rows of the looked-up indices; its norm is a ghost norm with exact
+``a_it . a_is = [idx_it = idx_is]`` (docs/algorithms.md, "Sensitivity of the fast path"). EmbeddingBag: one bag
+per record, whose gradient has rank one (``||G_i|| = ||w_i|| ||b_i||``, see :func:`embedding_bag`)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def embedding(layer: nn.Embedding, inputs: list[tuple], backprops: list[Tensor])
 
 
 class EmbeddingPart:
-    """``nn.Embedding`` and ``nn.EmbeddingBag``. Embedding: the one-hot input makes ``G_i`` a scatter of ``b_it`` into the rows ``idx_it``, so
+    """``nn.Embedding``: the one-hot input makes ``G_i`` a scatter of ``b_it`` into the rows ``idx_it``, so
     ``||G_i||^2 = sum_{t,s} [idx_it = idx_is] (b_it . b_is)`` and the sums are an ``index_add``."""
 
     def __init__(self, layer: nn.Embedding, idx: Tensor, b: Tensor) -> None:
@@ -130,7 +131,7 @@ class _Bag:
     """One call of an ``nn.EmbeddingBag``: per token its bag, row and coefficient, and the bags' output gradients."""
 
     def __init__(self, layer: nn.EmbeddingBag, call: tuple, b: Tensor) -> None:
-        idx, offsets, per_sample_weights = (tuple(call) + (None, None))[:3]
+        idx, offsets, per_sample_weights = (*tuple(call), None, None)[:3]
         self.layer, self.b = layer, b  # b: [n, d]
         n = b.shape[0]
         if idx.dim() == 2:  # each row a bag

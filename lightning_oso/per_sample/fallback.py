@@ -19,6 +19,7 @@ under per-sample DP (``checks`` tests it on a synthetic batch).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -64,7 +65,7 @@ def _batched(value: Any, n: int) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n
 
 
-def _vmapped(layer: nn.Module, own: dict[str, Tensor], args: tuple, keywords: dict, b: Tensor) -> dict[str, Tensor]:
+def _vmapped(layer: nn.Module, own: Mapping[str, Tensor], args: tuple, keywords: dict, b: Tensor) -> dict[str, Tensor]:
     n = b.shape[0]
     values = (*args, *keywords.values())
     names = list(keywords)
@@ -83,7 +84,7 @@ def _vmapped(layer: nn.Module, own: dict[str, Tensor], args: tuple, keywords: di
 
 
 def _one_at_a_time(
-    layer: nn.Module, own: dict[str, Tensor], args: tuple, keywords: dict, b: Tensor
+    layer: nn.Module, own: Mapping[str, Tensor], args: tuple, keywords: dict, b: Tensor
 ) -> dict[str, Tensor]:
     n = b.shape[0]
     rows: dict[str, list[Tensor]] = {name: [] for name in own}

@@ -190,9 +190,7 @@ class BookKeeping:
             self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad], self._keywords[layer])
             self._inputs[layer], self._keywords[layer], self._backprops[layer] = [], [], {}
 
-    def _layer_part(
-        self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor], keywords: list[dict]
-    ) -> Any:
+    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor], keywords: list[dict]) -> Any:
         # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
         # of this layer's parameters while its part is computed
         frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
@@ -218,9 +216,7 @@ class BookKeeping:
                 if calls:  # a layer called several times: its calls' positions are combined here
                     inputs = [self._inputs[layer][i] for i in sorted(calls)]
                     keywords = [self._keywords[layer][i] for i in sorted(calls)]
-                    self._computed[layer] = self._layer_part(
-                        layer, inputs, [calls[i] for i in sorted(calls)], keywords
-                    )
+                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)], keywords)
             for param, layers in self.tied.items():
                 # each use hands over its instantiated share; the tied part holds their sum (cross terms included)
                 uses = [self._computed[layer].take(param) for layer in layers if layer in self._computed]
@@ -270,7 +266,8 @@ def _bind(layer: nn.Module, args: tuple, keywords: dict) -> tuple[tuple, dict]:
     except (TypeError, ValueError):
         return args, keywords
     bound.apply_defaults()
-    positional, rest = [], {}
+    positional: list[Any] = []
+    rest: dict[str, Any] = {}
     for name, param in inspect.signature(layer.forward).parameters.items():
         value = bound.arguments.get(name)
         if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) and not rest:

@@ -13,6 +13,7 @@ the package docstring (docs/algorithms.md, "Sensitivity of the fast path").
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +31,7 @@ def linear(layer: nn.Linear, inputs: list[tuple], backprops: list[Tensor]) -> Ou
 
 
 @register_fast_path("transformers.pytorch_utils.Conv1D")
-def transformers_conv1d(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct:
+def transformers_conv1d(layer: Any, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct:
     """transformers' ``Conv1D`` (GPT-2's layers): a linear layer whose weight is stored transposed, ``[d_in, d_out]``
     (``y = x W + b``), registered by name so that transformers need not be imported."""
     a = cat_positions([as_sequence(x[0]) for x in inputs])

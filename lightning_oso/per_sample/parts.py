@@ -114,8 +114,8 @@ def tied(param: Tensor, uses: list[tuple[Tensor, Tensor]]) -> Instantiated:
     if len(uses) > 1:
         spread = sum_parts([nb.sq_norm_upper(g).sqrt() * nb.F64 for g, _ in uses])
         width = math.prod(held.shape[1:])
-        error = error + spread * (nb.gamma(len(uses) - 1, u) * nb.F64) + len(uses) * math.sqrt(width) * nb.tiny(
-            held.dtype
+        error = (
+            error + spread * (nb.gamma(len(uses) - 1, u) * nb.F64) + len(uses) * math.sqrt(width) * nb.tiny(held.dtype)
         )
     bound = (nb.sq_norm_upper(held).sqrt() * nb.F64 + error) * nb.F64
     return Instantiated({param: held}, bounds={param: bound})
