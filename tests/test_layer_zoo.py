@@ -284,6 +284,6 @@ def test_a_shared_input_of_another_layer_gets_a_clear_error():
     model = Shared()
     bk = BookKeeping(model)
     model(torch.randn(4, 3)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"batch dimension of \[1\] while others had 4"):
+    with pytest.raises(RuntimeError, match=r"\['Linear'\] .* batch dimension of \[1\] while the others had 4"):
         bk.norms()
     bk.remove()

@@ -14,7 +14,7 @@ from lightning_oso.per_sample.parts import Instantiated
 class Mixed(nn.Module):
     """Every layer kind: embedding (with padding), attention, LayerNorm, Linear on sequences and on vectors (the
     last one called twice), Conv1d/Conv2d on both sides of the ghost/instantiate choice, GroupNorm, and a grouped
-    conv (Opacus fallback)."""
+    conv (instantiated by one convolution grouped by record and by group)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -124,6 +124,46 @@ def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name):
     bk.remove()
 
 
+def test_t5_with_its_relative_position_bias_frozen():
+    """An encoder-decoder: T5's shared embedding has four uses (encoder and decoder inputs, output layer) and its
+    ``T5LayerNorm`` takes the exact fallback. Its relative position bias is looked up on ``[T, T]`` buckets with no
+    batch dimension: trained, it gets a clear error; frozen, the rest is exact."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=200, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(1, 200, (4, 7), generator=g),
+        "labels": torch.randint(1, 200, (4, 5), generator=g),
+    }
+
+    def loss_fn(model, part):
+        logits = model(input_ids=part["input_ids"], labels=part["labels"]).logits
+        return nn.functional.cross_entropy(logits.transpose(1, 2), part["labels"], reduction="none").mean(1).mean()
+
+    bk = BookKeeping(model)
+    loss_fn(model, batch).backward()
+    with pytest.raises(RuntimeError, match="relative position buckets"):
+        bk.norms()
+    bk.remove()
+    model.zero_grad()
+    for name, p in model.named_parameters():
+        if "relative_attention_bias" in name:
+            p.requires_grad_(False)
+    params, reference = _one_record_at_a_time(model, loss_fn, batch)
+    bk = BookKeeping(model)
+    assert [len(uses) for uses in bk.tied.values()] == [4]
+    loss_fn(model, batch).backward()
+    torch.testing.assert_close(bk.norms(), per_sample_norms(reference), rtol=1e-4, atol=1e-6)
+    weights = torch.rand(4, 2, generator=g)
+    for s, r in zip(bk.weighted_sums(params, weights), weighted_sums(reference, weights)):
+        torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
+    bk.remove()
+
+
 class HFModule(L.LightningModule):
     def __init__(self, name, explicit_positions=False):
         super().__init__()

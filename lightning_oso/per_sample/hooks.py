@@ -5,11 +5,13 @@ Per layer that owns trainable parameters, a forward hook keeps the layer's input
 ``b`` of the loss with respect to the layer's output (for a mean loss, ``n b_i`` is sample ``i``'s own; the factor
 ``n`` is applied to the norms and the weights, not to ``b``). The layer's function from the registry (``registry``:
 linear, conv, embedding, normalisation layers) turns them into its part of the norms and sums; a layer the registry
-does not cover goes to Opacus' per-sample gradient function (``fallback``).
+does not cover goes to the exact fallback (``fallback``). A parameter registered by several layers (a tied weight)
+gets one part of its own, the sum of its uses' (``parts.tied``).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from collections.abc import Iterable
@@ -284,11 +286,13 @@ def _bind(layer: nn.Module, args: tuple, keywords: dict) -> tuple[tuple, dict]:
 def _same_batch(sizes: dict[Any, int]) -> None:
     """Every layer part has one norm per record, or a clear error naming the layer that has not."""
     if len(set(sizes.values())) > 1:
-        largest = max(sizes.values())
-        odd = [getattr(key, "__class__", type(key)).__name__ for key, size in sizes.items() if size != largest]
+        counts = collections.Counter(sizes.values())
+        batch = max(counts, key=lambda size: (counts[size], size))  # the size most layers have
+        odd = [type(key).__name__ for key, size in sizes.items() if size != batch]
         raise RuntimeError(
             f"layers of type {sorted(set(odd))} received output gradients with a batch dimension of "
-            f"{sorted({s for s in sizes.values() if s != largest})} while others had {largest}: their inputs are not "
+            f"{sorted({s for s in sizes.values() if s != batch})} while the others had {batch}: their inputs are not "
             "one row per record (an input shared by every record and broadcast over the batch, e.g. a buffer of "
-            "shape [1, ...]); pass such inputs per record ([n, ...], e.g. position_ids expanded to the batch)"
+            "shape [1, ...], or indices without a batch dimension such as T5's relative position buckets); pass such "
+            "inputs per record ([n, ...], e.g. position_ids expanded to the batch), or freeze the layer"
         )
