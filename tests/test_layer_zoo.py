@@ -3,10 +3,17 @@ layer configurations: every configuration is computed exactly (on the fast path 
 refused with a wrong diagnosis nor crashing. Norms are upper bounds of the reference norms (within float rounding)
 and the weighted sums equal the reference's."""
 
+import warnings
+
+import lightning.pytorch as L
 import pytest
 import torch
+from helpers import make_trainer
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_oso import OSODP
 from lightning_oso.per_sample import BookKeeping, fast_path, per_sample_norms, weighted_sums
 
 N = 5
@@ -287,3 +294,54 @@ def test_a_shared_input_of_another_layer_gets_a_clear_error():
     with pytest.raises(RuntimeError, match=r"\['Linear'\] .* batch dimension of \[1\] while the others had 4"):
         bk.norms()
     bk.remove()
+
+
+class _Classifier(L.LightningModule):
+    def __init__(self, net, data):
+        super().__init__()
+        self.net, self.data = net, data
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=16)
+
+
+USER_REPORTS = {
+    # the issue's two examples, and a sparse embedding
+    "conv2d-reflect": (
+        lambda: nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(64, 2)),
+        lambda g: torch.randn(64, 1, 4, 4, generator=g),
+    ),
+    "embedding-bag-bag-of-words": (
+        lambda: nn.Sequential(nn.EmbeddingBag(100, 8, mode="mean"), nn.Linear(8, 2)),
+        lambda g: torch.randint(0, 100, (64, 10), generator=g),
+    ),
+    "sparse-embedding": (
+        lambda: nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Flatten(), nn.Linear(40, 2)),
+        lambda g: torch.randint(0, 100, (64, 5), generator=g),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "embedding-bag-bag-of-words" else pytest.param(n, marks=pytest.mark.slow) for n in USER_REPORTS]
+)
+def test_user_reported_layers_train_with_the_default_osodp(name):
+    """Through the Trainer, consistency checks included: ``Conv2d(padding_mode="reflect")`` used to crash with the
+    "tied weight" message and ``nn.EmbeddingBag`` with "not enough values to unpack"."""
+    make, data = USER_REPORTS[name]
+    g = torch.Generator().manual_seed(0)
+    x = data(g)
+    module = _Classifier(make(), TensorDataset(x, torch.randint(0, 2, (64,), generator=g)))
+    before = [p.detach().clone() for p in module.parameters()]
+    dp = OSODP(target_epsilon=8.0, target_delta=1e-5, seed=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*consistency checks.*")
+        make_trainer([dp], max_epochs=1).fit(module)
+    assert dp.steps == 4 and all(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
