@@ -345,3 +345,38 @@ def test_user_reported_layers_train_with_the_default_osodp(name):
         warnings.filterwarnings("error", message=".*consistency checks.*")
         make_trainer([dp], max_epochs=1).fit(module)
     assert dp.steps == 4 and all(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
+
+
+class TiedPair(nn.Module):
+    """Two uses of one weight on two halves of the input: ``G_i = v_i (x1_i + x2_i)^T``, which a crafted record makes
+    cancel (``x2 = -(1 - d) x1``) while each use's gradient is huge."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.d = d
+        self.first, self.second = nn.Linear(d, 3), nn.Linear(d, 3, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.first(x[:, : self.d]) + self.second(x[:, self.d :])
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e15, 1e30, 3e38])
+@pytest.mark.parametrize("d", [0.0, 1e-7, 0.5])
+def test_cancelling_uses_of_a_tied_weight_cannot_hide_a_records_norm(scale, d):
+    """An attacker's record whose two uses of a tied weight cancel (or nearly): the norm is an upper bound of the exact
+    one (float64, from the float32 values given), finite for a finite record, never the rounding residue."""
+    g = torch.Generator().manual_seed(0)
+    model = TiedPair()
+    x1 = torch.randn(N, 8, generator=g) * torch.tensor(scale).clamp_max(torch.finfo(torch.float32).max / 16)
+    x2 = -(1 - d) * x1
+    x = torch.cat([x1, x2], dim=1)
+    v = torch.randn(N, 3, generator=g)
+    bk = BookKeeping(model, loss_reduction="sum")
+    (model(x) * v).sum().backward()
+    norms = bk.norms().double()
+    bk.remove()
+    xs = x1.double() + x2.double()
+    exact = (v.double().norm(dim=1).square() * (xs.norm(dim=1).square() + 1)).sqrt()  # weight and bias
+    assert bool(torch.isfinite(norms).all())
+    assert bool((norms >= exact).all()), (norms, exact)
