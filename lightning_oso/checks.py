@@ -202,7 +202,7 @@ def _run(
         raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, what=what)) from err
     ones = torch.ones(source.batch_size, 1, dtype=norms.dtype, device=norms.device)
     sums = [s[0] for s in source.weighted_sums(ones)]
-    grads = [p.grad for p in params]
+    grads = [p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad for p in params]  # sparse=True
     source.release()
     if not bool(torch.isfinite(norms).all()) or not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
         raise _CannotRun("the per-sample gradients are not finite (NaN or inf)")

@@ -54,6 +54,25 @@ def validate_model(module: nn.Module) -> None:
                 f"{label}: Opacus computes no per-sample gradient for nn.MultiheadAttention; use "
                 "opacus.layers.DPMultiheadAttention (a drop-in replacement)"
             )
+        elif (
+            isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
+            and layer.weight.requires_grad
+            and layer.scale_grad_by_freq
+        ):
+            problems.append(
+                f"{label}: scale_grad_by_freq=True divides each row's gradient by its frequency in the whole batch, "
+                "so one record's gradient depends on the others; pass scale_grad_by_freq=False"
+            )
+        elif (
+            isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
+            and layer.weight.requires_grad
+            and (layer.max_norm is not None)
+        ):
+            problems.append(
+                f"{label}: max_norm renormalises the looked-up rows of the weight in place during the forward pass, "
+                "a change of the parameters that depends on the batch and escapes the noise; pass max_norm=None "
+                "(and normalise the looked-up vectors in the forward instead, e.g. F.normalize)"
+            )
         elif any(p.requires_grad for p in layer.parameters(recurse=False)) and any(
             True for _ in layer.buffers(recurse=False)
         ):

@@ -27,13 +27,18 @@ class SharedAcrossLayers(ToyModel):
 
 
 def test_parameter_shared_by_two_layers():
-    """The fast path refuses it at fit start, naming the layers and the fix; Opacus' hooks add the layers' per-sample
-    gradients up, and the consistency check (tests/test_checks.py) confirms they match autograd's."""
-    with pytest.raises(ValueError, match=r"layers 'a' and 'b' share a parameter.*grad_sample_mode='hooks'"):
-        make_trainer([_dp()], max_epochs=1).fit(SharedAcrossLayers(), toy_loader())
-    dp = _dp(grad_sample_mode="hooks")
-    make_trainer([dp], max_epochs=1).fit(SharedAcrossLayers(), toy_loader())
-    assert dp.steps == 10
+    """Both paths add the layers' per-sample gradients up (the fast path used to refuse it; issue 14): the consistency
+    check (tests/test_checks.py) confirms they match autograd's, and both paths train to the same parameters."""
+    trained = []
+    for mode in ("book_keeping", "hooks"):
+        torch.manual_seed(0)
+        model = SharedAcrossLayers()
+        dp = _dp(grad_sample_mode=mode, seed=0)
+        make_trainer([dp], max_epochs=1).fit(model, toy_loader())
+        assert dp.steps == 10
+        trained.append([p.detach() for p in model.parameters()])
+    for fast, reference in zip(*trained):
+        torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-5)
 
 
 def test_non_finite_gradient_in_the_first_step_is_refused():

@@ -14,7 +14,7 @@ from lightning_oso.per_sample.parts import Instantiated
 class Mixed(nn.Module):
     """Every layer kind: embedding (with padding), attention, LayerNorm, Linear on sequences and on vectors (the
     last one called twice), Conv1d/Conv2d on both sides of the ghost/instantiate choice, GroupNorm, and a grouped
-    conv (Opacus fallback)."""
+    conv (instantiated by one convolution grouped by record and by group)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -26,7 +26,7 @@ class Mixed(nn.Module):
         self.conv_ghost = nn.Conv2d(4, 64, 3, stride=2, padding=1)  # L = 9 positions, 36 x 64 weights: ghost
         self.conv_inst = nn.Conv2d(64, 2, 3, padding=2, dilation=2)  # L = 9, 576 x 2 weights: instantiated
         self.gn = nn.GroupNorm(2, 2)
-        self.grouped = nn.Conv2d(2, 2, 3, padding=1, groups=2)  # not fast-path: Opacus' sampler
+        self.grouped = nn.Conv2d(2, 2, 3, padding=1, groups=2)  # fast path, instantiated
         self.head = nn.Linear(4 * 3 + 2 * 9, 3)
         self.mix = nn.Linear(3, 3)
 
@@ -62,7 +62,7 @@ def _reference(model, tokens, image, y):
 
 def test_layer_kinds_cover_both_choices():
     model = Mixed()
-    assert fast_path(model.grouped) is None and fast_path(model.attn) is None  # attn itself owns no weights
+    assert fast_path(model.attn) is None  # attn itself owns no weights (its submodules do)
     tokens, image, y = _batch()
     bk = BookKeeping(model)
     nn.functional.cross_entropy(model(tokens, image), y).backward()
@@ -70,6 +70,7 @@ def test_layer_kinds_cover_both_choices():
     assert computed[model.conv_ghost].ghost and isinstance(computed[model.conv_inst], Instantiated)
     assert computed[model.seq_linear].ghost  # 5 positions, 8 x 16 weights
     assert isinstance(computed[model.conv1d], Instantiated)  # 3 positions, 48 x 4 weights, stride 2
+    assert isinstance(computed[model.grouped], Instantiated)
     assert not computed[model.attn.qlinear].ghost  # 5 positions, 8 x 8 weights: instantiated
     bk.remove()
 

@@ -8,9 +8,11 @@ gradients where that is cheaper (ghost norm, Goodfellow 2015 and Li et al. 2022;
   hooks that fill them (``attach``, ``detach``);
 - ``hooks``: the fast path's hooks (:class:`BookKeeping`) and their per-step computation, layer by layer;
 - ``registry``: which function computes a layer's part, by layer type (as Opacus' ``grad_sample`` registry), filled
-  by one file per layer kind: ``linear``, ``conv``, ``embedding``, ``normalisation``; any other layer goes to
-  ``fallback`` (Opacus' per-sample gradient functions, or functorch);
-- ``parts``: per-sample gradients held as tensors, and what the layer parts share;
+  by one file per layer kind: ``linear`` (and transformers' ``Conv1D``), ``conv`` (every padding mode, groups, 1-3
+  d, transposed), ``embedding`` (and ``EmbeddingBag``), ``normalisation``; any other layer goes to ``fallback``
+  (exact: Opacus' per-sample gradient function for its type, else ``torch.func``, else one record at a time);
+- ``parts``: per-sample gradients held as tensors, what the layer parts share, and the part of a tied parameter
+  (one registered by several layers: its per-sample gradient is the sum of its uses', ``parts.tied``);
 - ``norm_bounds``: the rounding model that makes every norm an upper bound of the true one.
 
 One backward pass. Per layer, a forward hook keeps the layer's input ``a`` and a tensor hook the gradient ``b`` of
@@ -25,7 +27,8 @@ weight's per-sample gradient is an outer-product sum over positions ``t``, ``G_i
 Where ``T (d_in + d_out) > d_in d_out`` (long sequences, few channels) a layer instantiates ``G_i`` instead (cost
 ``~ T d_in d_out``, as Opacus does) and takes both its norm and the sums from it. LayerNorm and GroupNorm have small
 per-sample gradients (``[n, C]``), always instantiated. Any other layer with trainable parameters falls back to
-Opacus' per-sample gradient function for its type (or functorch), instantiated.
+an exact instantiated path (``fallback``). A tied parameter's uses each hand over their instantiated share, and
+its norm is that of their sum, cross terms included.
 
 The weighted sums are those of the per-sample path (``parts.weighted_sums`` over Opacus' ``grad_sample``) up to
 float rounding; the tests check this layer by layer and end to end.
@@ -58,7 +61,9 @@ order, TF32/bfloat16 matmul inputs where torch's settings allow them, underflow 
   ||b_it|| ||b_is||``;
 - LayerNorm/GroupNorm, with ``x_hat`` as the layer computes it (the values its forward used): the sums over
   positions by blocks of 32 in float32, then in float64 (``err ~ 32 u``), plus ``err || sum_t |x_hat_t b_t| ||``;
-- other layers (Opacus' functions): the sum of squares of the held per-sample gradients, with its relative margin.
+- other layers (``fallback``): the sum of squares of the held per-sample gradients, with its relative margin;
+- a tied parameter: ``||G^_i|| + sum_j e_ij + gamma_{m-1} sum_j ||G^_ij||``, ``e_ij`` each use's bound of its own
+  instantiation error (``parts.tied``).
 
 The parts' sum, its root and the loss scale are rounded up, and so is the final conversion to the compute dtype.
 """

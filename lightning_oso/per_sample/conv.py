@@ -1,91 +1,126 @@
-"""``nn.Conv1d`` and ``nn.Conv2d`` (zero padding, one group): the ghost norm over unfolded patches where that is
-clearly cheaper (an ``OuterProduct``, as for ``nn.Linear``), else the per-sample weight gradients from one grouped
-convolution (docs/algorithms.md, "Sensitivity of the fast path")."""
+"""Convolutions: ``nn.Conv1d/2d/3d`` (any padding mode, string paddings, groups) and ``nn.ConvTranspose1d/2d/3d``.
+The ghost norm over unfolded patches where that is clearly cheaper (an ``OuterProduct``, as for ``nn.Linear``: 1-d
+and 2-d, one group), else the per-sample weight gradients from one grouped convolution, the batch as groups
+(docs/algorithms.md, "Sensitivity of the fast path").
+
+A padding mode other than zeros (``"reflect"``, ``"replicate"``, ``"circular"``) or a string padding (``"same"``,
+which may pad one side more) is applied to the kept input as the layer's forward applies it (``F.pad``), and the
+convolution is then one without padding: the weight's gradient is exactly that of a convolution of the padded input.
+A transposed convolution is the adjoint of a convolution with the same weight, so its weight gradient is the
+weight gradient of that convolution with the roles of the input and the output gradient swapped.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.grad import conv2d_weight
+from torch.nn.grad import conv1d_weight, conv2d_weight, conv3d_weight
+from torch.nn.modules.conv import _ConvNd
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.linear import OuterProduct
 from lightning_oso.per_sample.parts import Instantiated, accumulate, cat_positions
 from lightning_oso.per_sample.registry import register_fast_path
 
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_WEIGHT_GRAD: dict[int, Callable[..., Tensor]] = {1: conv1d_weight, 2: conv2d_weight, 3: conv3d_weight}
 
-def _plain(layer: nn.Conv1d | nn.Conv2d) -> bool:
-    """Grouped convolutions, other padding modes and string paddings (``"same"``) are left to the fallback."""
-    return layer.groups == 1 and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+
+def _padded(layer: _ConvNd, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """The input as the convolution proper sees it, and the padding left to that convolution."""
+    if isinstance(layer, _TRANSPOSED):
+        return x, tuple(cast(tuple[int, ...], layer.padding))  # zeros only (no other mode for transposed ones)
+    if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+        return F.pad(x, layer._reversed_padding_repeated_twice, mode=mode), (0,) * len(layer.kernel_size)
+    return x, tuple(layer.padding)  # not a string: handled above
 
 
-@register_fast_path(nn.Conv1d, nn.Conv2d, supports=_plain)
-def conv(layer: nn.Conv1d | nn.Conv2d, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
-    """Conv1d/Conv2d (as 2-d with a unit height): ghost norm over unfolded patches where that is cheaper, else the
-    per-sample weight gradients from one grouped convolution (the batch as groups), which needs no unfolded copy
-    of the input (``C k k`` times its size)."""
-    one_d = isinstance(layer, nn.Conv1d)
-    kernel = (1, *layer.kernel_size) if one_d else layer.kernel_size
-    stride = (1, *layer.stride) if one_d else layer.stride
-    padding = cast(tuple[int, ...], (0, *layer.padding) if one_d else layer.padding)  # not a string: see _plain
-    dilation = (1, *layer.dilation) if one_d else layer.dilation
-    xs = [x[0].unsqueeze(2) if one_d else x[0] for x in inputs]
-    gs = [g.unsqueeze(2) if one_d else g for g in backprops]
-    positions = sum(math.prod(g.shape[2:]) for g in gs)
+@register_fast_path(*_CONVS, *_TRANSPOSED)
+def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
+    """Any convolution: ghost norm over unfolded patches where that is clearly cheaper (1-d/2-d, one group, not
+    transposed), else the per-sample weight gradients from one grouped convolution, which needs no unfolded copy of
+    the input (``C k k`` times its size)."""
+    dims = len(layer.kernel_size)
+    transposed = isinstance(layer, _TRANSPOSED)
+    pairs = [_padded(layer, x[0]) for x in inputs]
+    xs = [x for x, _ in pairs]
+    padding = pairs[0][1]
+    kernel, stride, dilation = tuple(layer.kernel_size), tuple(layer.stride), tuple(layer.dilation)
+    positions = sum(math.prod(g.shape[2:]) for g in backprops)
     d_in, d_out = layer.in_channels * math.prod(kernel), layer.out_channels
     # ghost norm where it is clearly cheaper: unfolding costs a copy of C k k times the input, while the grouped
     # convolution below is a fast kernel
-    if 2 * positions * (d_in + d_out) <= d_in * d_out:
+    if not transposed and layer.groups == 1 and dims <= 2 and 2 * positions * (d_in + d_out) <= d_in * d_out:
+        one_d = dims == 1
         a_parts, b_parts = [], []
-        for x, g in zip(xs, gs):
-            patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # [n, C k k, L]
+        for x, g in zip(xs, backprops):
+            x, g = (x.unsqueeze(2), g.unsqueeze(2)) if one_d else (x, g)
+            patches = F.unfold(
+                x,
+                (1, *kernel) if one_d else kernel,
+                dilation=(1, *dilation) if one_d else dilation,
+                padding=(0, *padding) if one_d else padding,
+                stride=(1, *stride) if one_d else stride,
+            )  # [n, C k k, L]
             a_parts.append(patches.transpose(1, 2))
             b_parts.append(g.reshape(g.shape[0], d_out, math.prod(g.shape[2:])).transpose(1, 2))  # [n, L, C_out]
         return OuterProduct(layer.weight, layer.bias, cat_positions(a_parts), cat_positions(b_parts))
     # instantiated: the per-sample weight gradients by one grouped convolution. Each entry is a sum over the L
-    # output positions that may cancel, so the bound adds alpha_L R (alpha_L the kernel's dot-product error; this
-    # assumes a direct or GEMM-based kernel, whose entries are sums of products, as oneDNN's and cuDNN's usual ones
-    # are: FFT/Winograd algorithms would be outside this model). R = sum_t ||patch_t|| ||b_t|| <= sqrt(k) ||x|| ||b||
-    # (Cauchy-Schwarz; each input pixel lies in at most k = prod(kernel) patches), which needs no unfolding.
+    # positions of the convolution's output (the layer's input for a transposed one) that may cancel, so the bound adds
+    # alpha_L R (alpha_L the kernel's dot-product error; this assumes a direct or GEMM-based kernel, whose entries are
+    # sums of products, as oneDNN's and cuDNN's usual ones are: FFT/Winograd algorithms would be outside this model).
+    # R = sum_t ||patch_t|| ||b_t|| <= sqrt(k) ||x|| ||b|| (Cauchy-Schwarz; each input entry lies in at most
+    # k = prod(kernel) patches), which needs no unfolding.
     grads: dict[Tensor, Tensor] = {}
-    dtype, device = gs[0].dtype, gs[0].device
+    dtype, device = backprops[0].dtype, backprops[0].device
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
-    n = gs[0].shape[0]
+    n = backprops[0].shape[0]
     r = torch.zeros(n, dtype=torch.float64, device=device)
     r_bias = torch.zeros(n, dtype=torch.float64, device=device)
     largest = torch.zeros(n, dtype=torch.float64, device=device)  # of |x| and |b|, for the underflow terms
     k = math.prod(kernel)
-    for x, g in zip(xs, gs):
+    depth = depth_bias = len(xs)  # the sum over calls, plus the positions of each call
+    weight_shape = tuple(layer.weight.shape)
+    for x, g in zip(xs, backprops):
         x = x.to(g.dtype)
-        per_sample = conv2d_weight(
-            x.reshape(1, n * x.shape[1], *x.shape[2:]),
-            (n * d_out, layer.in_channels, *kernel),
-            g.reshape(1, n * d_out, *g.shape[2:]),
+        source, target = (g, x) if transposed else (x, g)  # the convolution's input and output gradient
+        depth += math.prod(target.shape[2:])
+        depth_bias += math.prod(g.shape[2:])
+        per_sample = _WEIGHT_GRAD[dims](
+            source.reshape(1, n * source.shape[1], *source.shape[2:]),
+            (n * weight_shape[0], *weight_shape[1:]),
+            target.reshape(1, n * target.shape[1], *target.shape[2:]),
             stride=stride,
             padding=padding,
             dilation=dilation,
-            groups=n,
+            groups=n * layer.groups,
         )
-        accumulate(grads, layer.weight, per_sample.reshape(n, *layer.weight.shape))
-        accumulate(grads, layer.bias, g.sum(dim=(2, 3)))
+        accumulate(grads, layer.weight, per_sample.reshape(n, *weight_shape))
+        if layer.bias is not None:
+            accumulate(grads, layer.bias, g.sum(dim=tuple(range(2, g.dim()))))
         norm_x, norm_g = nb.sq_norm_upper(x).sqrt_(), nb.sq_norm_upper(g).sqrt_()  # NaN where not finite
         r = r + norm_x * norm_g * (math.sqrt(k) * nb.F64)
         r_bias = r_bias + norm_g * (math.sqrt(math.prod(g.shape[2:])) * nb.F64)  # >= sum_t ||b_t||
         largest = torch.maximum(largest, torch.maximum(norm_x, norm_g))
-    depth = sum(math.prod(g.shape[2:]) for g in gs) + len(gs)  # positions, and the sum over calls
     bounds: dict[Tensor, Tensor] = {}
+    errors: dict[Tensor, Tensor] = {}
     if layer.weight in grads:
         alpha = nb.kernel_error(depth, u, nb.input_roundoff(device, "conv"))
-        eta = (largest * (2 * m) + 2) * (math.sqrt(d_in * d_out) * depth * tau)
+        eta = (largest * (2 * m) + 2) * (math.sqrt(layer.weight.numel()) * depth * tau)
         held = nb.sq_norm_upper(grads[layer.weight]).sqrt_().mul_(nb.F64)
+        errors[layer.weight] = (alpha * r).mul_(nb.F64).add_(eta)
         bounds[layer.weight] = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(eta)
     if layer.bias in grads:
-        g_t = nb.gamma(depth, u)
-        absolute = depth * math.sqrt(d_out) * tau
+        g_t = nb.gamma(depth_bias, u)
+        absolute = depth_bias * math.sqrt(layer.bias.numel()) * tau
         held = nb.sq_norm_upper(grads[layer.bias]).sqrt_().mul_(nb.F64)
+        errors[layer.bias] = (g_t * r_bias).mul_(nb.F64).add_(absolute)
         bounds[layer.bias] = torch.minimum(r_bias * (1 + g_t), held.add_(r_bias, alpha=g_t)).add_(absolute)
-    return Instantiated(grads, bounds=bounds)
+    return Instantiated(grads, bounds=bounds, errors=errors)

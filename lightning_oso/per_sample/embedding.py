@@ -1,6 +1,7 @@
-"""``nn.Embedding``: the one-hot input makes the weight's per-sample gradient a scatter of the output gradients
-into the rows of the looked-up indices; its norm is a ghost norm with exact ``a_it . a_is = [idx_it = idx_is]``
-(docs/algorithms.md, "Sensitivity of the fast path")."""
+"""``nn.Embedding`` and ``nn.EmbeddingBag``. Embedding: the one-hot input makes the weight's per-sample gradient a
+scatter of the output gradients into the rows of the looked-up indices; its norm is a ghost norm with exact
+``a_it . a_is = [idx_it = idx_is]`` (docs/algorithms.md, "Sensitivity of the fast path"). EmbeddingBag: one bag
+per record, whose gradient has rank one (``||G_i|| = ||w_i|| ||b_i||``, see :func:`embedding_bag`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
-from lightning_oso.per_sample.parts import U64, Sums, as_sequence, cat_positions
+from lightning_oso.per_sample.parts import U64, Instantiated, Sums, as_sequence, cat_positions
 from lightning_oso.per_sample.registry import register_fast_path
 
 
-def _plain(layer: nn.Embedding) -> bool:
-    """Sparse gradients, gradients scaled by frequency and renormalised rows are left to the fallback."""
-    return not (layer.sparse or layer.scale_grad_by_freq or layer.max_norm is not None)
+def _plain(layer: nn.Embedding | nn.EmbeddingBag) -> bool:
+    """Gradients scaled by their frequency in the batch and rows renormalised by the forward are not per-sample
+    computations (``validation.validate_model`` refuses them); a sparse gradient is (the maths is the same)."""
+    return not (layer.scale_grad_by_freq or layer.max_norm is not None)
 
 
 @register_fast_path(nn.Embedding, supports=_plain)
@@ -37,16 +39,19 @@ class EmbeddingPart:
             b = b * (idx != layer.padding_idx).unsqueeze(-1).to(b.dtype)
         self.b = b
         self.dtype = b.dtype
+        self.taken = False  # the weight handed over to a tied part (``take``)
 
     def sq_norms(self) -> Tensor:
         """Upper bounds (float64) of ``||G_i||^2``: the ghost norm of ``OuterProduct.sq_norms`` with ``a_t`` one-hot
         (``a_t . a_s = [idx_t = idx_s]`` exactly, no rounding), and the cancellation-free bound
         ``R^2 = sum_{t,s} [idx_t = idx_s] ||b_t|| ||b_s|| = sum_rows (sum_{t in row} ||b_t||)^2`` in place of
         ``(sum_t ||b_t||)^2`` (tighter where tokens differ)."""
-        _, t, d = self.b.shape
+        n, t, d = self.b.shape
         dtype, device = self.b.dtype, self.b.device
         u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
         u_mm = nb.input_roundoff(device, "matmul")
+        if self.taken:
+            return torch.zeros(n, dtype=torch.float64, device=device)
         if t == 1:
             return nb.sq_norm_upper(self.b)
         sb = nb.Scaled(self.b)
@@ -68,6 +73,8 @@ class EmbeddingPart:
         return nb.with_nan(nb.times(bound.square_().mul_(nb.F64), sb.factor.square(), dtype), sb.finite)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
+        if self.taken:
+            return {}
         weights = weights.to(self.b.dtype)
         n, t, d = self.b.shape
         k = weights.shape[1]
@@ -75,3 +82,169 @@ class EmbeddingPart:
         scaled = (weights.t()[:, :, None, None] * self.b).reshape(k, n * t, d)
         out.index_add_(1, self.idx.reshape(-1), scaled)
         return {self.layer.weight: out}
+
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        """The per-sample gradients instantiated (``[n, V, d]``: a scatter of ``b_it`` into rows ``idx_it``, each
+        entry a sum over the positions with that index, within ``gamma_T sum_t ||b_t||``), and the weight left out of
+        this part's norms and sums from then on (a tied weight)."""
+        if param is not self.layer.weight or self.taken:
+            raise KeyError("not a parameter of this layer part")
+        n, t, d = self.b.shape
+        rows = self.layer.weight.shape[0]
+        held = torch.zeros((n * rows, d), dtype=self.b.dtype, device=self.b.device)
+        offsets = torch.arange(n, device=self.idx.device).unsqueeze(1) * rows
+        held.index_add_(0, (self.idx + offsets).reshape(-1), self.b.reshape(n * t, d))
+        u, tau = nb.unit_roundoff(self.b.dtype), nb.tiny(self.b.dtype)
+        error = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.gamma(t, u) * math.sqrt(t) * nb.F64)
+        self.taken = True
+        return held.reshape(n, rows, d), error.add_(t * math.sqrt(d) * tau)
+
+
+_BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+@register_fast_path(nn.EmbeddingBag, supports=_plain)
+def embedding_bag(layer: nn.EmbeddingBag, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated | BagPart:
+    """``nn.EmbeddingBag`` (each bag a record: a 2-d input's rows, or a 1-d input cut by ``offsets``), every mode.
+    One call: bag ``i``'s gradient is ``w_i b_i^T`` (sum, mean) with ``w_i[v]`` the summed coefficients of its tokens
+    at row ``v`` (1, the per-sample weight, or ``1 / bag size``; padding tokens 0), so ``||G_i|| = ||w_i|| ||b_i||``
+    exactly; max: each feature ``d`` of ``b_i`` goes to the row the forward picked for it, ``||G_i|| = ||b_i||``.
+    Several calls of one bag layer: the per-sample gradients instantiated (``[n, V, d]``)."""
+    calls = [_Bag(layer, call, g) for call, g in zip(inputs, backprops)]
+    if len(calls) == 1:
+        return BagPart(layer, calls[0])
+    grads: dict[Tensor, Tensor] = {}
+    errors: dict[Tensor, Tensor] = {}
+    for call in calls:
+        held, error = call.instantiate()
+        grads[layer.weight] = grads[layer.weight] + held if layer.weight in grads else held
+        errors[layer.weight] = errors[layer.weight] + error if layer.weight in errors else error
+    g = grads[layer.weight]
+    u = nb.unit_roundoff(g.dtype)
+    spread = sum(nb.sq_norm_upper(c.b).sqrt() * c.w_abs_norm() for c in calls) * nb.F64
+    errors[layer.weight] = errors[layer.weight] + spread * nb.gamma(len(calls), u)
+    bound = (nb.sq_norm_upper(g).sqrt() * nb.F64 + errors[layer.weight]) * nb.F64
+    return Instantiated(grads, bounds={layer.weight: bound}, errors=errors)
+
+
+class _Bag:
+    """One call of an ``nn.EmbeddingBag``: per token its bag, row and coefficient, and the bags' output gradients."""
+
+    def __init__(self, layer: nn.EmbeddingBag, call: tuple, b: Tensor) -> None:
+        idx, offsets, per_sample_weights = (*tuple(call), None, None)[:3]
+        self.layer, self.b = layer, b  # b: [n, d]
+        n = b.shape[0]
+        if idx.dim() == 2:  # each row a bag
+            length = idx.shape[1]
+            offsets = torch.arange(0, n * length, length, device=idx.device) if n else idx.new_zeros(0)
+            idx = idx.reshape(-1)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+        elif layer.include_last_offset:
+            offsets = offsets[:-1]
+        mode = _BAG_MODES[layer.mode]
+        padding = -1 if layer.padding_idx is None else layer.padding_idx
+        _, _, bag_size, max_indices = torch.embedding_bag(
+            layer.weight.detach(), idx, offsets, False, mode, False, per_sample_weights, False, padding
+        )
+        self.idx = idx
+        self.bag = torch.searchsorted(offsets, torch.arange(idx.shape[0], device=idx.device), right=True) - 1
+        if layer.mode == "max":
+            self.max_indices = max_indices  # [n, d]: the row each feature came from
+            self.present = (bag_size > 0).unsqueeze(1)
+            return
+        coefficient = torch.ones(idx.shape[0], dtype=torch.float64, device=idx.device)
+        if per_sample_weights is not None:
+            coefficient = per_sample_weights.double()
+        if layer.mode == "mean":
+            coefficient = coefficient / bag_size.double().clamp_min(1)[self.bag]
+        if layer.padding_idx is not None:
+            coefficient = coefficient * (idx != layer.padding_idx)
+        self.coefficient = coefficient  # float64 [tokens]
+
+    def w_norms(self) -> tuple[Tensor, Tensor]:
+        """``(||w^_i||^2, ||w_abs_i||^2)`` in float64: the bag's summed coefficients per row, and of their absolute
+        values (the rounding scale of the float64 sums)."""
+        rows = self.layer.weight.shape[0]
+        n = self.b.shape[0]
+        keys, inverse = torch.unique(self.bag * rows + self.idx, return_inverse=True)
+        w = torch.zeros(keys.shape[0], dtype=torch.float64, device=keys.device).index_add_(0, inverse, self.coefficient)
+        w_abs = torch.zeros_like(w).index_add_(0, inverse, self.coefficient.abs())
+        owner = torch.div(keys, rows, rounding_mode="floor")
+        zeros = torch.zeros(n, dtype=torch.float64, device=keys.device)
+        return zeros.index_add(0, owner, w.square()), zeros.index_add(0, owner, w_abs.square())
+
+    def w_abs_norm(self) -> Tensor:
+        if self.layer.mode == "max":
+            return torch.ones(self.b.shape[0], dtype=torch.float64, device=self.b.device)
+        return self.w_norms()[1].sqrt() * nb.F64
+
+    def norm_bound(self) -> Tensor:
+        """Upper bound (float64 ``[n]``) of ``||G_i||``: ``||w_i|| ||b_i||``, the float64 sums of at most ``L + 1``
+        coefficients (``L`` tokens a bag, and the mean's division) within ``gamma64_{L+1}`` of their absolute
+        values."""
+        norm_b = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.F64)
+        if self.layer.mode == "max":
+            return torch.where(self.present.squeeze(1), norm_b, 0.0)
+        sq_w, sq_abs = self.w_norms()
+        length = int(torch.bincount(self.bag, minlength=1).max()) if self.bag.numel() else 0
+        g = nb.gamma(length + 2, U64)
+        norm_w = (sq_w * (1 + g)).sqrt() + (sq_abs * (1 + g)).sqrt() * g
+        return norm_w.mul_(nb.F64 * nb.F64) * norm_b
+
+    def scatter(self, values: Tensor, out: Tensor) -> Tensor:
+        """``out[k] += sum_i values[k, i] G_i`` (``values`` ``[k, n, d]``: the output gradients, weighted), ``out``
+        ``[k, V, d]``."""
+        k, _, d = values.shape
+        if self.layer.mode == "max":
+            flat = (self.max_indices.clamp_min(0) * d + torch.arange(d, device=values.device)).reshape(-1)
+            masked = values * self.present.to(values.dtype)
+            out.view(k, -1).index_add_(1, flat, masked.reshape(k, -1))
+            return out
+        scaled = values[:, self.bag, :] * self.coefficient.to(values.dtype)[None, :, None]
+        out.index_add_(1, self.idx, scaled)
+        return out
+
+    def instantiate(self) -> tuple[Tensor, Tensor]:
+        """``G^_i`` (``[n, V, d]``) and a bound of its rounding error (``gamma_L ||w_abs_i|| ||b_i||``)."""
+        n, d = self.b.shape
+        rows = self.layer.weight.shape[0]
+        out = torch.zeros((n, rows, d), dtype=self.b.dtype, device=self.b.device)
+        # one "column" per sample: values[i] holds sample i's gradient only
+        for i in range(n):  # a rare path (a bag layer called several times): clarity over speed
+            values = torch.zeros((1, n, d), dtype=self.b.dtype, device=self.b.device)
+            values[0, i] = self.b[i]
+            self.scatter(values, out[i : i + 1])
+        u, tau = nb.unit_roundoff(self.b.dtype), nb.tiny(self.b.dtype)
+        length = int(torch.bincount(self.bag, minlength=1).max()) if self.bag.numel() else 0
+        error = nb.sq_norm_upper(self.b).sqrt() * self.w_abs_norm() * ((1 + nb.gamma(length + 1, u)) * nb.F64)
+        error = error * nb.gamma(length + 1, u) + length * math.sqrt(d) * tau
+        return out, error
+
+
+class BagPart:
+    """One call of an ``nn.EmbeddingBag``: norms ``||w_i|| ||b_i||`` (or ``||b_i||`` for max), sums by a scatter."""
+
+    def __init__(self, layer: nn.EmbeddingBag, call: _Bag) -> None:
+        self.layer, self.call = layer, call
+        self.dtype = call.b.dtype
+        self.taken = False
+
+    def sq_norms(self) -> Tensor:
+        if self.taken:
+            return torch.zeros(self.call.b.shape[0], dtype=torch.float64, device=self.call.b.device)
+        return self.call.norm_bound().square_().mul_(nb.F64)
+
+    def weighted_sums(self, weights: Tensor) -> Sums:
+        if self.taken:
+            return {}
+        b = self.call.b
+        values = weights.to(b.dtype).t()[:, :, None] * b  # [k, n, d]
+        out = torch.zeros((weights.shape[1], *self.layer.weight.shape), dtype=b.dtype, device=b.device)
+        return {self.layer.weight: self.call.scatter(values, out)}
+
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        if param is not self.layer.weight or self.taken:
+            raise KeyError("not a parameter of this layer part")
+        self.taken = True
+        return self.call.instantiate()

@@ -5,12 +5,15 @@ Per layer that owns trainable parameters, a forward hook keeps the layer's input
 ``b`` of the loss with respect to the layer's output (for a mean loss, ``n b_i`` is sample ``i``'s own; the factor
 ``n`` is applied to the norms and the weights, not to ``b``). The layer's function from the registry (``registry``:
 linear, conv, embedding, normalisation layers) turns them into its part of the norms and sums; a layer the registry
-does not cover goes to Opacus' per-sample gradient function (``fallback``).
+does not cover goes to the exact fallback (``fallback``). A parameter registered by several layers (a tied weight)
+gets one part of its own, the sum of its uses' (``parts.tied``).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.fallback import opacus_fallback
-from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_parts
+from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_parts, tied
 from lightning_oso.per_sample.registry import fast_path
 
 
@@ -53,36 +56,46 @@ class BookKeeping:
             for m in module.modules()
             if any(p.requires_grad for p in m.parameters(recurse=False)) and not _aliases_only(m)
         ]
-        owners: dict[int, str] = {}
-        names = {id(m): name for name, m in module.named_modules()}
+        owners: dict[int, list[nn.Module]] = {}
         for layer in self.layers:
             for p in layer.parameters(recurse=False):
-                if p.requires_grad and id(p) in owners:
-                    raise ValueError(
-                        f"layers {owners[id(p)]!r} and {names[id(layer)]!r} share a parameter: the book-keeping path "
-                        "computes per-sample norms layer by layer and cannot combine one parameter's gradients across "
-                        "layers. Pass grad_sample_mode='hooks' to the DP callback (Opacus' hooks add them up)."
-                    )
-                owners[id(p)] = names[id(layer)]
+                if p.requires_grad:
+                    owners.setdefault(id(p), []).append(layer)
         #: ids of every parameter the hooked layers own: those this object can give sums for
         self.covered = set(owners)
+        #: parameters registered by several layers (tied weights: GPT-2's token embedding and output layer), and
+        #: those layers: their per-sample gradient is the sum of the layers' (``parts.tied``)
+        self.tied: dict[nn.Parameter, list[nn.Module]] = {
+            p: owners[id(p)]
+            for layer in self.layers
+            for p in layer.parameters(recurse=False)
+            if p.requires_grad and len(owners[id(p)]) > 1
+        }
         # what computes each layer's part: decided once, not per step
         self._kinds = {layer: fast_path(layer) for layer in self.layers}
         self._inputs: dict[nn.Module, list[tuple]] = {}
+        self._keywords: dict[nn.Module, list[dict]] = {}
         self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
-        self._computed: dict[nn.Module, Any] | None = None
+        self._computed: dict[Any, Any] | None = None
         self._frozen: dict[nn.Module, list[nn.Parameter]] | None = None  # per layer, while frozen
         self._computing = False
         self._anchors: dict[tuple, Tensor] = {}
         self.clear()
-        self._handles = [layer.register_forward_hook(self._capture_input) for layer in self.layers]
+        self._handles = [layer.register_forward_hook(self._capture_input, with_kwargs=True) for layer in self.layers]
+        self._handles += [
+            layer.register_forward_pre_hook(self._expand_shared_indices)
+            for layer in self.layers
+            if isinstance(layer, nn.Embedding)
+        ]
 
     @property
     def parameters(self) -> list[nn.Parameter]:
         """The trainable parameters of the hooked layers (frozen ones included, see :meth:`freeze`)."""
         if self._frozen is not None:
-            return [p for params in self._frozen.values() for p in params]
-        return [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
+            params = [p for params in self._frozen.values() for p in params]
+        else:
+            params = [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
+        return list({id(p): p for p in params}.values())  # a tied parameter once
 
     def remove(self) -> None:
         self.unfreeze()
@@ -92,8 +105,9 @@ class BookKeeping:
         self.clear()
 
     def clear(self) -> None:
-        self._inputs, self._backprops, self._computed = {}, {}, None
+        self._inputs, self._keywords, self._backprops, self._computed = {}, {}, {}, None
         self._eager: dict[nn.Module, Any] = {}
+        self._forward_batch = 0  # the largest dim 0 of a hooked layer's input since the last clear
         self.batch_size: int | None = None  # of the last backward pass; None if no hooked layer received a gradient
         self.several_backward_passes = False
 
@@ -121,7 +135,24 @@ class BookKeeping:
         for p in params:
             p.requires_grad_(value)
 
-    def _capture_input(self, layer: nn.Module, inputs: tuple, output: Any) -> Tensor | None:
+    def _expand_shared_indices(self, layer: nn.Module, inputs: tuple) -> tuple | None:
+        """An embedding looked up on indices shared by every record, ``[1, T]`` (transformers' position ids and
+        GPT-2's, a buffer broadcast over the batch): the lookup is made per record, ``[n, T]``, so that its output
+        gradient, and the per-sample gradient, is per record and not their sum. The output then has ``n`` equal rows
+        where it had one: the same values after the broadcast that such a lookup is made for.
+        ``n`` is the largest batch a hooked layer saw in this forward pass (the token embedding, called first)."""
+        if self._computing or not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], Tensor):
+            return None
+        idx = inputs[0]
+        if idx.dim() < 2 or idx.shape[0] != 1 or self._forward_batch <= 1:
+            return None
+        return (idx.expand(self._forward_batch, *idx.shape[1:]), *inputs[1:])
+
+    def _capture_input(self, layer: nn.Module, inputs: tuple, keywords: dict, output: Any) -> Tensor | None:
+        for x in inputs:
+            if isinstance(x, Tensor) and x.dim() > 0 and torch.is_grad_enabled() and not self._computing:
+                self._forward_batch = max(self._forward_batch, x.shape[0])
+                break
         if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
             return None  # evaluation, or a fallback sampler re-running the layer
         replaced = None
@@ -133,7 +164,11 @@ class BookKeeping:
         if not output.requires_grad:
             return None  # a forward that backward will not reach
         calls = self._inputs.setdefault(layer, [])
+        inputs, keywords = _bind(layer, inputs, keywords)
         calls.append(tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs))
+        self._keywords.setdefault(layer, []).append(
+            {k: v.detach() if isinstance(v, Tensor) else v for k, v in keywords.items()}
+        )
         output.register_hook(functools.partial(self._capture_backprop, layer, len(calls) - 1))
         return replaced
 
@@ -154,10 +189,10 @@ class BookKeeping:
         if len(self._inputs[layer]) == 1:
             # the usual single call: compute this layer's part now, during backward, and let go of its input and
             # output gradient (an instantiating layer keeps only its per-sample gradients, often far smaller)
-            self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad])
-            self._inputs[layer], self._backprops[layer] = [], {}
+            self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad], self._keywords[layer])
+            self._inputs[layer], self._keywords[layer], self._backprops[layer] = [], [], {}
 
-    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Any:
+    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor], keywords: list[dict]) -> Any:
         # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
         # of this layer's parameters while its part is computed
         frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
@@ -167,7 +202,7 @@ class BookKeeping:
             self._set_requires_grad(frozen, True)
             with torch.no_grad():
                 if kind is None:
-                    return opacus_fallback(layer, inputs, backprops)
+                    return opacus_fallback(layer, inputs, backprops, keywords)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
                 inputs = [tuple(at_least_float32(x) for x in call) for call in inputs]
                 return kind(layer, inputs, [at_least_float32(g) for g in backprops])
@@ -176,13 +211,19 @@ class BookKeeping:
             self._computing = False
 
     # --- what the private step asks
-    def _compute(self) -> dict[nn.Module, Any]:
+    def _compute(self) -> dict[Any, Any]:
         if self._computed is None:
             self._computed = dict(self._eager)
             for layer, calls in self._backprops.items():
                 if calls:  # a layer called several times: its calls' positions are combined here
                     inputs = [self._inputs[layer][i] for i in sorted(calls)]
-                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)])
+                    keywords = [self._keywords[layer][i] for i in sorted(calls)]
+                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)], keywords)
+            for param, layers in self.tied.items():
+                # each use hands over its instantiated share; the tied part holds their sum (cross terms included)
+                uses = [self._computed[layer].take(param) for layer in layers if layer in self._computed]
+                if uses:
+                    self._computed[param] = tied(param, uses)
         return self._computed
 
     @property
@@ -197,9 +238,11 @@ class BookKeeping:
         if not computed:
             raise RuntimeError("no layer received a gradient in the last backward pass")
         parts = list(computed.values())
+        squares = {key: c.sq_norms() for key, c in computed.items()}
+        _same_batch({key: sq.shape[0] for key, sq in squares.items()})
         # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
         # root and scaling are rounded up, and so is the result, to the compute dtype
-        total = sum_parts([c.sq_norms() for c in parts]).sqrt() * (1.0 + 2 * U64) * self._loss_scale * nb.F64
+        total = sum_parts(list(squares.values())).sqrt() * (1.0 + 2 * U64) * self._loss_scale * nb.F64
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in parts], torch.float32)
         return nb.round_up(total, dtype)
 
@@ -209,6 +252,47 @@ class BookKeeping:
         sums: Sums = {}
         scaled = weights * self._loss_scale
         for computed in self._compute().values():
-            sums.update(computed.weighted_sums(scaled))
+            for p, s in computed.weighted_sums(scaled).items():
+                sums[p] = sums[p] + s if p in sums else s
         k = weights.shape[1]
         return [sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params]
+
+
+def _bind(layer: nn.Module, args: tuple, keywords: dict) -> tuple[tuple, dict]:
+    """A call's keyword arguments moved to their positions where the forward's signature allows it (``offsets=``
+    of an ``nn.EmbeddingBag``); keyword-only ones stay keywords."""
+    if not keywords:
+        return args, keywords
+    try:
+        bound = inspect.signature(layer.forward).bind(*args, **keywords)
+    except (TypeError, ValueError):
+        return args, keywords
+    bound.apply_defaults()
+    positional: list[Any] = []
+    rest: dict[str, Any] = {}
+    for name, param in inspect.signature(layer.forward).parameters.items():
+        value = bound.arguments.get(name)
+        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) and not rest:
+            positional.append(value)
+        elif param.kind == param.VAR_POSITIONAL:
+            positional.extend(value or ())
+        elif param.kind == param.VAR_KEYWORD:
+            rest.update(value or {})
+        else:
+            rest[name] = value
+    return tuple(positional), rest
+
+
+def _same_batch(sizes: dict[Any, int]) -> None:
+    """Every layer part has one norm per record, or a clear error naming the layer that has not."""
+    if len(set(sizes.values())) > 1:
+        counts = collections.Counter(sizes.values())
+        batch = max(counts, key=lambda size: (counts[size], size))  # the size most layers have
+        odd = [type(key).__name__ for key, size in sizes.items() if size != batch]
+        raise RuntimeError(
+            f"layers of type {sorted(set(odd))} received output gradients with a batch dimension of "
+            f"{sorted({s for s in sizes.values() if s != batch})} while the others had {batch}: their inputs are not "
+            "one row per record (an input shared by every record and broadcast over the batch, e.g. a buffer of "
+            "shape [1, ...], or indices without a batch dimension such as T5's relative position buckets); pass such "
+            "inputs per record ([n, ...], e.g. position_ids expanded to the batch), or freeze the layer"
+        )

@@ -13,6 +13,7 @@ the package docstring (docs/algorithms.md, "Sensitivity of the fast path").
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,11 +30,23 @@ def linear(layer: nn.Linear, inputs: list[tuple], backprops: list[Tensor]) -> Ou
     return OuterProduct(layer.weight, layer.bias, a, b)
 
 
+@register_fast_path("transformers.pytorch_utils.Conv1D")
+def transformers_conv1d(layer: Any, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct:
+    """transformers' ``Conv1D`` (GPT-2's layers): a linear layer whose weight is stored transposed, ``[d_in, d_out]``
+    (``y = x W + b``), registered by name so that transformers need not be imported."""
+    a = cat_positions([as_sequence(x[0]) for x in inputs])
+    b = cat_positions([as_sequence(g) for g in backprops])
+    return OuterProduct(layer.weight, layer.bias, a, b, transposed=True)
+
+
 class OuterProduct:
     """A layer whose weight gradient is ``G_i = sum_t b_it a_it^T`` (``a``: ``[n, T, d_in]``, ``b``: ``[n, T,
     d_out]``) and whose bias gradient is ``sum_t b_it``."""
 
-    def __init__(self, weight: Tensor | None, bias: Tensor | None, a: Tensor, b: Tensor) -> None:
+    def __init__(
+        self, weight: Tensor | None, bias: Tensor | None, a: Tensor, b: Tensor, transposed: bool = False
+    ) -> None:
+        self.transposed = transposed  # the weight is stored ``[d_in, d_out]`` (transformers' Conv1D)
         self.weight = weight if weight is not None and weight.requires_grad else None
         self.bias = bias if bias is not None and bias.requires_grad else None
         self.a, self.b = a.to(b.dtype), b
@@ -119,7 +132,36 @@ class OuterProduct:
         if self.bias is not None:
             positions = norm_b * (math.sqrt(t) * nb.F64)  # >= sum_t ||b_t|| (Cauchy-Schwarz)
             parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
+        if not parts:  # both handed over to tied parts (``take``)
+            return torch.zeros(self.b.shape[0], dtype=torch.float64, device=device)
         return sum_parts(parts)
+
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        """The weight's (or bias's) per-sample gradients instantiated, and a bound of their rounding error: for the
+        weight ``alpha_T ||a|| ||b||`` plus underflow (as in :meth:`sq_norms`), for the bias ``gamma_T sqrt(T) ||b||``
+        plus underflow; ``param`` is left out of this part's norms and sums from then on (a tied parameter)."""
+        _, t, d_in = self.a.shape
+        d_out = self.b.shape[2]
+        dtype, device = self.b.dtype, self.b.device
+        u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+        norm_b = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.F64)
+        if self.weight is not None and param is self.weight:
+            held = self.per_sample_weight
+            if held is None:
+                held = torch.bmm(self.b.transpose(1, 2), self.a)  # [n, d_out, d_in]
+            norm_a = nb.sq_norm_upper(self.a).sqrt_().mul_(nb.F64)
+            alpha = nb.kernel_error(t, u, nb.input_roundoff(device, "matmul"))
+            underflow = (norm_a + norm_b).add_(2).mul_(math.sqrt(d_in * d_out) * t * tau)
+            error = (norm_a * norm_b).mul_(alpha * nb.F64).add_(underflow)
+            self.weight, self.per_sample_weight = None, None
+            return (held.transpose(1, 2) if self.transposed else held), error
+        if self.bias is not None and param is self.bias:
+            assert self.per_sample_bias is not None  # set whenever the bias is trained
+            held = self.per_sample_bias
+            error = norm_b.mul_(nb.gamma(t, u) * math.sqrt(t) * nb.F64).add_(t * math.sqrt(d_out) * tau)
+            self.bias, self.per_sample_bias = None, None
+            return held, error
+        raise KeyError("not a parameter of this layer part")
 
     def _bias_bound(self, positions: Tensor, u: float, tau: float) -> Tensor:
         assert self.per_sample_bias is not None  # set whenever the bias is trained
@@ -137,6 +179,8 @@ class OuterProduct:
                 # [k, d_out, n T] @ [n T, d_in]: every column of W in one product, one read of a
                 scaled = (weights.t()[:, :, None, None] * self.b).reshape(k, n * t, d_out)
                 flat = torch.matmul(scaled.transpose(1, 2), self.a.reshape(n * t, self.a.shape[2]))
+            if self.transposed:
+                flat = flat.transpose(1, 2)
             sums[self.weight] = flat.reshape(weights.shape[1], *self.weight.shape)
         if self.bias is not None:
             assert self.per_sample_bias is not None  # set whenever the bias is trained

@@ -41,6 +41,13 @@ class LayerPart(Protocol):
         """``sum_i weights[i, k] g_i`` for each of the layer's parameters, shape ``[k, *param.shape]``."""
         ...
 
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        """Hand over ``param``'s share of the per-sample gradients, instantiated, and leave it out of this part's
+        norms and sums from then on (a tied parameter, see :func:`tied`): ``(G^, e)``, ``G^`` of shape ``[n,
+        *param.shape]`` in the compute dtype and ``e`` (float64 ``[n]``) with ``||G_i - G^_i|| <= e_i`` for the exact
+        per-sample gradient ``G_i`` of this use."""
+        ...
+
 
 class Instantiated:
     """Per-sample gradients held explicitly, ``{param: [n, *param.shape]}``: the released sums are made of them.
@@ -49,10 +56,21 @@ class Instantiated:
     (float64 ``[n]``, of the norm) where the layer computed a bound of its own: where the held tensor is a rounded sum
     over positions that can cancel, whose bound must also cover the exact gradient."""
 
-    def __init__(self, grads: dict[Tensor, Tensor], bounds: dict[Tensor, Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        grads: dict[Tensor, Tensor],
+        bounds: dict[Tensor, Tensor] | None = None,
+        errors: dict[Tensor, Tensor] | None = None,
+    ) -> None:
         self.grads = grads
         self.bounds = bounds or {}
-        self.dtype = next(iter(grads.values())).dtype if grads else torch.float32
+        #: where known, ``e`` (float64 ``[n]``) with ``||G_i - G^_i|| <= e_i`` (``G^`` held, ``G`` exact); else the
+        #: held tensor is exact (Opacus' functions, functorch) or ``bounds`` covers it (see :meth:`take`)
+        self.errors = errors or {}
+        first = next(iter(grads.values()), None)
+        self.dtype = first.dtype if first is not None else torch.float32
+        self.batch_size = first.shape[0] if first is not None else 0
+        self.device = first.device if first is not None else None
 
     def sq_norms(self) -> Tensor:
         parts = []
@@ -61,10 +79,46 @@ class Instantiated:
                 parts.append(self.bounds[p].square() * nb.F64)
             else:
                 parts.append(nb.sq_norm_upper(g))
+        if not parts:  # every parameter handed over to a tied part
+            return torch.zeros(self.batch_size, dtype=torch.float64, device=self.device)
         return sum_parts(parts)
+
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        held = self.grads.pop(param)
+        if param in self.errors:
+            error = self.errors.pop(param)
+        elif param in self.bounds:  # ||G - G^|| <= ||G|| + ||G^||, both within the bound
+            error = self.bounds[param] * 2 * nb.F64
+        else:
+            error = torch.zeros(held.shape[0], dtype=torch.float64, device=held.device)
+        self.bounds.pop(param, None)
+        return held, error
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         return {p: torch.einsum("nk,n...->k...", weights.to(g.dtype), g) for p, g in self.grads.items()}
+
+
+def tied(param: Tensor, uses: list[tuple[Tensor, Tensor]]) -> Instantiated:
+    """The part of a parameter used by several layers (a tied weight: GPT-2's token embedding is also its output
+    layer): its per-sample gradient is the sum of its uses', ``G_i = sum_j G_ij``, whose squared norm has the cross
+    terms ``2 <G_ij, G_il>``. ``uses`` holds each use's instantiated ``(G^_j, e_j)`` (``LayerPart.take``); their sum
+    ``G^`` (rounded, in the compute dtype: within ``gamma_{m-1} sum_j |G^_j|`` entrywise of the exact sum of the
+    ``G^_j``) is held, and its norm bound ``||G^|| + sum_j e_j + gamma_{m-1} sum_j ||G^_j||`` covers both the exact
+    ``G_i`` and ``G^_i`` (the one the sums are made of), cross terms included (docs/algorithms.md, "Sensitivity of
+    the fast path"). Memory: ``n`` times the parameter's size."""
+    held = uses[0][0]
+    for g, _ in uses[1:]:
+        held = held + g
+    u = nb.unit_roundoff(held.dtype)
+    error = sum_parts([e for _, e in uses])  # sum of non-negative terms, rounded up
+    if len(uses) > 1:
+        spread = sum_parts([nb.sq_norm_upper(g).sqrt() * nb.F64 for g, _ in uses])
+        width = math.prod(held.shape[1:])
+        error = (
+            error + spread * (nb.gamma(len(uses) - 1, u) * nb.F64) + len(uses) * math.sqrt(width) * nb.tiny(held.dtype)
+        )
+    bound = (nb.sq_norm_upper(held).sqrt() * nb.F64 + error) * nb.F64
+    return Instantiated({param: held}, bounds={param: bound})
 
 
 def sum_parts(parts: list[Tensor]) -> Tensor:

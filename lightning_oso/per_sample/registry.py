@@ -6,8 +6,9 @@ the layer, the inputs of each of its calls in the forward pass and the gradients
 ``parts.LayerPart``.
 
 Lookups are by exact type: a subclass may change ``forward``, and then the layer's maths with it; it gets the
-Opacus fallback (``fallback``). A layer type may also register a ``supports`` predicate for the options its
-function covers (a grouped convolution, a sparse embedding, ...); the others fall back too.
+exact fallback (``fallback``). A layer type may also register a ``supports`` predicate for the options its
+function covers (a max-pooled bag, a renormalised embedding, ...); the others fall back too. A type from a package
+that need not be installed (transformers' ``Conv1D``) is registered by its qualified name, ``"module.Class"``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class FastPath:
 
 #: Layer type -> its fast path, filled by :func:`register_fast_path` when the layer files are imported (the
 #: package's ``__init__`` imports them all).
-FAST_PATHS: dict[type[nn.Module], FastPath] = {}
+FAST_PATHS: dict[type[nn.Module] | str, FastPath] = {}
 
 
 def _covers_every_option(layer: nn.Module) -> bool:
@@ -45,9 +46,10 @@ def _covers_every_option(layer: nn.Module) -> bool:
 
 
 def register_fast_path(
-    *layer_types: type[nn.Module], supports: Callable[..., bool] = _covers_every_option
+    *layer_types: type[nn.Module] | str, supports: Callable[..., bool] = _covers_every_option
 ) -> Callable[[_F], _F]:
-    """Decorator registering a function as the fast path of ``layer_types`` (for the layers that ``supports``).
+    """Decorator registering a function as the fast path of ``layer_types`` (for the layers that ``supports``); a
+    type may be given by its qualified name, ``"module.Class"``.
 
     Example:
         >>> from torch import nn
@@ -67,9 +69,10 @@ def register_fast_path(
 
 
 def fast_path(layer: nn.Module) -> LayerFunction | None:
-    """The fast-path function for this layer, or ``None`` (Opacus fallback) where its type or options are not
+    """The fast-path function for this layer, or ``None`` (the exact fallback) where its type or options are not
     covered."""
-    entry = FAST_PATHS.get(type(layer))
+    kind = type(layer)
+    entry = FAST_PATHS.get(kind) or FAST_PATHS.get(f"{kind.__module__}.{kind.__qualname__}")
     if entry is None or not entry.supports(layer):
         return None
     return entry.compute
