@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.fallback import opacus_fallback
-from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_parts
+from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts
 from lightning_oso.per_sample.registry import fast_path
 
 
@@ -165,7 +165,7 @@ class BookKeeping:
         self._computing = True
         try:
             self._set_requires_grad(frozen, True)
-            with torch.no_grad():
+            with torch.no_grad(), nb.exact_float32_products(backprops[0].device):
                 if kind is None:
                     return opacus_fallback(layer, inputs, backprops)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
@@ -176,6 +176,11 @@ class BookKeeping:
             self._computing = False
 
     # --- what the private step asks
+    @property
+    def _device(self) -> torch.device:
+        """Where the hooked layers live (their parameters' device)."""
+        return next(p.device for layer in self.layers for p in layer.parameters(recurse=False))
+
     def _compute(self) -> dict[nn.Module, Any]:
         if self._computed is None:
             self._computed = dict(self._eager)
@@ -193,13 +198,15 @@ class BookKeeping:
 
     def norms(self) -> Tensor:
         """``||g_i||`` over all trainable parameters of the hooked layers, shape ``[n]``."""
-        computed = self._compute()
-        if not computed:
-            raise RuntimeError("no layer received a gradient in the last backward pass")
-        parts = list(computed.values())
+        with nb.exact_float32_products(self._device):
+            computed = self._compute()
+            if not computed:
+                raise RuntimeError("no layer received a gradient in the last backward pass")
+            parts = list(computed.values())
+            squares = [c.sq_norms() for c in parts]
         # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
         # root and scaling are rounded up, and so is the result, to the compute dtype
-        total = sum_parts([c.sq_norms() for c in parts]).sqrt() * (1.0 + 2 * U64) * self._loss_scale * nb.F64
+        total = sum_parts(squares).sqrt() * (1.0 + 2 * U64) * self._loss_scale * nb.F64
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in parts], torch.float32)
         return nb.round_up(total, dtype)
 
@@ -208,7 +215,11 @@ class BookKeeping:
         parameter no sample's gradient reached)."""
         sums: Sums = {}
         scaled = weights * self._loss_scale
-        for computed in self._compute().values():
-            sums.update(computed.weighted_sums(scaled))
+        with nb.exact_float32_products(self._device):
+            for computed in self._compute().values():
+                sums.update(computed.weighted_sums(scaled))
         k = weights.shape[1]
-        return [sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params]
+        return [
+            sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=sum_dtype(p.dtype), device=p.device)
+            for p in params
+        ]

@@ -29,7 +29,7 @@ from lightning_oso import checks, per_sample
 from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, norm_bounds
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import NOISE, Generator, RunRandomness
 from lightning_oso.step import SanitisedStep, add_gaussian_noise, refuse_step, sanitise
@@ -227,17 +227,19 @@ class PrivateTraining(_StrategyBase):
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
-        released = sanitise(
-            source,
-            self.rule,
-            self.expected_batch_size,
-            add_noise=self.add_noise,
-            sum_across_processes=self.sum_across_processes,
-            record_step=self.ledger.record_step if self.ledger is not None else None,
-            refuse=self._refuse_step,
-            observe_norms=self._observe_norms if self.collect_diagnostics else None,
-        )
-        # the ledger has charged the step (sanitise's write-ahead record): the gradients may now be written
+        with norm_bounds.exact_float32_products(self.root_device):  # norms, sums and noise in float32 or better
+            released = sanitise(
+                source,
+                self.rule,
+                self.expected_batch_size,
+                add_noise=self.add_noise,
+                sum_across_processes=self.sum_across_processes,
+                record_step=self.ledger.record_step if self.ledger is not None else None,
+                refuse=self._refuse_step,
+                observe_norms=self._observe_norms if self.collect_diagnostics else None,
+            )
+        # the ledger has charged the step (sanitise's write-ahead record): the gradients may now be written, cast to
+        # the parameters' dtype (bfloat16 under precision="bf16-true") only here
         for p, gradient in zip(params, released.gradients):
             p.grad = gradient.to(p.dtype)
         return released
