@@ -166,7 +166,9 @@ def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
     t = tiny(gram.dtype)
     if alpha >= 1:
         return torch.full(gram.shape[:2], math.inf, dtype=torch.float64, device=gram.device)
-    diagonal = gram.diagonal(dim1=1, dim2=2).double()
+    # a copy: for a float64 Gram matrix .double() would be a view, and the in-place steps below would overwrite the
+    # diagonal that the caller's ghost sum still reads
+    diagonal = gram.diagonal(dim1=1, dim2=2).to(torch.float64, copy=True)
     return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
 
 

@@ -64,11 +64,8 @@ class Instantiated:
         return sum_parts(parts)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
-        sums = {}
-        for p, g in self.grads.items():
-            g = at_least_float32(g)  # half-precision sums would round each record's clipped share off its bound
-            sums[p] = torch.einsum("nk,n...->k...", weights.to(g.dtype), g)
-        return sums
+        grads, params = list(self.grads.values()), list(self.grads)
+        return dict(zip(params, weighted_sums(grads, weights)))
 
 
 def sum_parts(parts: list[Tensor]) -> Tensor:
@@ -137,6 +134,7 @@ def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tenso
     """
     sums = []
     for g in grad_samples:
-        g = at_least_float32(g)
-        sums.append(torch.einsum("nk,n...->k...", weights.to(g.dtype), g))
+        g = at_least_float32(g)  # half-precision sums would round each record's clipped share off its bound
+        with nb.exact_float32_products(g.device):  # an einsum inside a 16-bit autocast would run in 16 bits
+            sums.append(torch.einsum("nk,n...->k...", weights.to(g.dtype), g))
     return sums
