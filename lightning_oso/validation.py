@@ -108,8 +108,11 @@ def validate_trainer(trainer) -> None:
     precision = trainer.precision_plugin
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise PrivacyConfigurationError(
-            f"precision={trainer.precision!r} uses a loss scaler, which rescales and skips steps on overflow of the "
-            "per-sample gradients; use precision='32-true' or 'bf16-mixed'"
+            f"precision={trainer.precision!r} uses a loss scaler (torch.amp.GradScaler), which is not private: it "
+            "skips the optimizer step whenever a gradient overflows float16 and lowers its scale, and whether a step "
+            "was skipped is visible in the parameters, so one record built to overflow would announce its presence at "
+            "every step it is sampled in (a release with no noise). Use precision='bf16-mixed' (bfloat16 has float32's "
+            "exponent range and needs no scaler; norms, sums and noise stay in float32), 'bf16-true' or '32-true'."
         )
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.fallback import opacus_fallback
-from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_parts, tied
+from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts, tied
 from lightning_oso.per_sample.registry import fast_path
 
 
@@ -200,7 +200,7 @@ class BookKeeping:
         self._computing = True
         try:
             self._set_requires_grad(frozen, True)
-            with torch.no_grad():
+            with torch.no_grad(), nb.exact_float32_products(backprops[0].device):
                 if kind is None:
                     return opacus_fallback(layer, inputs, backprops, keywords)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
@@ -211,6 +211,11 @@ class BookKeeping:
             self._computing = False
 
     # --- what the private step asks
+    @property
+    def _device(self) -> torch.device:
+        """Where the hooked layers live (their parameters' device)."""
+        return next(p.device for layer in self.layers for p in layer.parameters(recurse=False))
+
     def _compute(self) -> dict[Any, Any]:
         if self._computed is None:
             self._computed = dict(self._eager)
@@ -234,11 +239,12 @@ class BookKeeping:
 
     def norms(self) -> Tensor:
         """``||g_i||`` over all trainable parameters of the hooked layers, shape ``[n]``."""
-        computed = self._compute()
-        if not computed:
-            raise RuntimeError("no layer received a gradient in the last backward pass")
-        parts = list(computed.values())
-        squares = {key: c.sq_norms() for key, c in computed.items()}
+        with nb.exact_float32_products(self._device):
+            computed = self._compute()
+            if not computed:
+                raise RuntimeError("no layer received a gradient in the last backward pass")
+            parts = list(computed.values())
+            squares = {key: c.sq_norms() for key, c in computed.items()}
         _same_batch({key: sq.shape[0] for key, sq in squares.items()})
         # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
         # root and scaling are rounded up, and so is the result, to the compute dtype
@@ -251,11 +257,15 @@ class BookKeeping:
         parameter no sample's gradient reached)."""
         sums: Sums = {}
         scaled = weights * self._loss_scale
-        for computed in self._compute().values():
-            for p, s in computed.weighted_sums(scaled).items():
-                sums[p] = sums[p] + s if p in sums else s
+        with nb.exact_float32_products(self._device):
+            for computed in self._compute().values():
+                for p, s in computed.weighted_sums(scaled).items():
+                    sums[p] = sums[p] + s if p in sums else s
         k = weights.shape[1]
-        return [sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) for p in params]
+        return [
+            sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=sum_dtype(p.dtype), device=p.device)
+            for p in params
+        ]
 
 
 def _bind(layer: nn.Module, args: tuple, keywords: dict) -> tuple[tuple, dict]:

@@ -15,6 +15,11 @@ standard rounding-error model (Higham, *Accuracy and Stability of Numerical Algo
   assumption about torch's summation order is made.
 - a float32 matrix product or convolution may round its *inputs* to TF32 (``u_in = 2^-11``) or bfloat16
   (``2^-8``) where the user's precision settings allow it (``input_roundoff``); the bound then uses that.
+- half-precision inputs (``precision="bf16-mixed"``, ``"bf16-true"``, ``"16-true"``: the activations and output
+  gradients the hooks capture are in the 16-bit dtype) are upcast to float32 before any product, exactly, and the
+  products run with autocast off (``exact_float32_products``): the bounds are those of float32 on the values the
+  sums are made of. A product on 16-bit inputs would instead round them (bfloat16 ``u = 2^-8``, float16 ``2^-11``)
+  and its output, which no bound here models.
 
 Overflow: before products that could overflow, each sample's tensors are rescaled by a power of two (``Scaled``:
 exact, up to underflow of entries below ``2^-126`` of the sample's largest one, which the absolute terms cover) so
@@ -27,7 +32,9 @@ step.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -84,6 +91,22 @@ def input_roundoff(device: torch.device, op: str) -> float:
     if "tf32" in modes:
         return 2.0**-11
     return 0.0
+
+
+@contextlib.contextmanager
+def exact_float32_products(device: torch.device | str) -> Iterator[None]:
+    """Autocast off on ``device``'s type while norms and sums are computed.
+
+    Under a 16-bit autocast (``precision="bf16-mixed"`` or ``"16-mixed"``) a float32 matrix product or convolution
+    would round its inputs to the autocast dtype (``u = 2^-8`` for bfloat16, ``2^-11`` for float16) *and* its output,
+    which the bounds here do not model. With autocast off, the reduced-precision activations and output gradients the
+    hooks capture are upcast to float32 (exactly: every bfloat16 and float16 value is a float32 one) and multiplied in
+    float32, where ``input_roundoff`` and the float32 unit roundoff hold. Lightning runs backward outside its autocast
+    context already; this also covers a backward or a private step called inside one.
+    """
+    device_type = torch.device(device).type
+    with torch.autocast(device_type=device_type, enabled=False):
+        yield
 
 
 def kernel_error(k: int, u: float, u_in: float) -> float:
@@ -143,7 +166,9 @@ def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
     t = tiny(gram.dtype)
     if alpha >= 1:
         return torch.full(gram.shape[:2], math.inf, dtype=torch.float64, device=gram.device)
-    diagonal = gram.diagonal(dim1=1, dim2=2).double()
+    # a copy: for a float64 Gram matrix .double() would be a view, and the in-place steps below would overwrite the
+    # diagonal that the caller's ghost sum still reads
+    diagonal = gram.diagonal(dim1=1, dim2=2).to(torch.float64, copy=True)
     return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
 
 

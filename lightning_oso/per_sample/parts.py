@@ -95,7 +95,8 @@ class Instantiated:
         return held, error
 
     def weighted_sums(self, weights: Tensor) -> Sums:
-        return {p: torch.einsum("nk,n...->k...", weights.to(g.dtype), g) for p, g in self.grads.items()}
+        grads, params = list(self.grads.values()), list(self.grads)
+        return dict(zip(params, weighted_sums(grads, weights)))
 
 
 def tied(param: Tensor, uses: list[tuple[Tensor, Tensor]]) -> Instantiated:
@@ -138,9 +139,19 @@ def as_sequence(x: Tensor) -> Tensor:
 
 
 def at_least_float32(x: Any) -> Any:
+    """``x`` upcast to float32 if it is a half-precision tensor (exact: every float16 and bfloat16 value is a float32
+    one), else ``x`` itself."""
     if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
         return x.float()
     return x
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norms, sums and noise for per-sample gradients or parameters of ``dtype``: at least float32
+    (docs/algorithms.md, "Sensitivity of the fast path"). A half-precision clipping weight or sum would round a
+    record's share up by up to ``2^-8`` (bfloat16) relative, past its bound ``C_t``; the sanitised gradient is cast
+    to the parameter's dtype only when written to ``.grad``."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def accumulate(grads: dict[Tensor, Tensor], param: Tensor | None, value: Tensor) -> None:
@@ -172,7 +183,12 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
 def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor]:
     """``sum_i weights[i, k] * g_i`` for every column ``k`` at once, per parameter: shape ``[k, *param.shape]``.
 
-    One contraction per parameter reads the per-sample gradients once for all columns.
+    One contraction per parameter reads the per-sample gradients once for all columns, in at least float32 (half
+    precision per-sample gradients are upcast, exactly: ``sum_dtype``).
     """
-    weights = weights.to(grad_samples[0].dtype) if grad_samples else weights
-    return [torch.einsum("nk,n...->k...", weights, g) for g in grad_samples]
+    sums = []
+    for g in grad_samples:
+        g = at_least_float32(g)  # half-precision sums would round each record's clipped share off its bound
+        with nb.exact_float32_products(g.device):  # an einsum inside a 16-bit autocast would run in 16 bits
+            sums.append(torch.einsum("nk,n...->k...", weights.to(g.dtype), g))
+    return sums

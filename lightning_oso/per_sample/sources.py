@@ -23,7 +23,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
 from lightning_oso.per_sample.hooks import BookKeeping
-from lightning_oso.per_sample.parts import per_sample_norms, weighted_sums
+from lightning_oso.per_sample.parts import per_sample_norms, sum_dtype, weighted_sums
 
 #: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
@@ -103,11 +103,13 @@ class GradSampleSource:
     def norms(self) -> Tensor:
         if self.present:
             return per_sample_norms(self.present)
-        return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
+        return _no_norms(self.params)
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
         full = [
-            gs if gs is not None else torch.zeros((weights.shape[0], *p.shape), dtype=p.dtype, device=p.device)
+            gs
+            if gs is not None
+            else torch.zeros((weights.shape[0], *p.shape), dtype=sum_dtype(p.dtype), device=p.device)
             for p, gs in zip(self.params, self.samples)
         ]
         return weighted_sums(full, weights)
@@ -132,7 +134,7 @@ class HookedSource:
 
     def norms(self) -> Tensor:
         if self.empty:
-            return torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)
+            return _no_norms(self.params)
         return self.hooks.norms()
 
     def weighted_sums(self, weights: Tensor) -> list[Tensor]:
@@ -167,6 +169,11 @@ class TensorSource:
 
     def release(self) -> None:
         """Nothing to let go of: the tensors belong to the caller."""
+
+
+def _no_norms(params: Sequence[Tensor]) -> Tensor:
+    """The norms of an empty batch: none, in the dtype the norms of ``params`` are computed in (at least float32)."""
+    return torch.zeros(0, dtype=sum_dtype(params[0].dtype), device=params[0].device)
 
 
 _NO_PER_SAMPLE = (

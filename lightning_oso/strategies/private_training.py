@@ -36,7 +36,7 @@ from lightning_oso import checks, per_sample
 from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, norm_bounds
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import NOISE, Generator, RunRandomness
 from lightning_oso.step import ClippedSums, SanitisedStep, add_gaussian_noise, clip_and_sum, refuse_step, release
@@ -228,7 +228,8 @@ class PrivateTraining(_StrategyBase):
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
             )
-        self._clipped = clip_and_sum(source, self.rule, into=self._clipped)
+        with norm_bounds.exact_float32_products(self.root_device):  # norms and sums in float32 or better
+            self._clipped = clip_and_sum(source, self.rule, into=self._clipped)
 
     @override
     def optimizer_step(
@@ -290,16 +291,18 @@ class PrivateTraining(_StrategyBase):
             )
         if self.collect_diagnostics:
             self._observe_norms(torch.cat(clipped.norms))
-        released = release(
-            clipped,
-            self.rule,
-            self.expected_batch_size,
-            add_noise=self.add_noise,
-            sum_across_processes=self.sum_across_processes,
-            record_step=self.ledger.record_step if self.ledger is not None else None,
-            refuse=self._refuse_step,
-        )
-        # the ledger has charged the step (sanitise's write-ahead record): the gradients may now be written
+        with norm_bounds.exact_float32_products(self.root_device):  # sums and noise in float32 or better
+            released = release(
+                clipped,
+                self.rule,
+                self.expected_batch_size,
+                add_noise=self.add_noise,
+                sum_across_processes=self.sum_across_processes,
+                record_step=self.ledger.record_step if self.ledger is not None else None,
+                refuse=self._refuse_step,
+            )
+        # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
+        # the parameters' dtype (bfloat16 under precision="bf16-true") only here
         for p, gradient in zip(params, released.gradients):
             p.grad = gradient.to(p.dtype)
         return released
