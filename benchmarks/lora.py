@@ -46,7 +46,7 @@ VARIANTS = ("non_private", "oso", "oso_hooks")
 VOCAB = 257
 #: name -> (n_embd, n_layer, n_head, tokens per record, LoRA targets)
 MODELS = {
-    "example": (64, 2, 4, 64, ["c_attn", "c_proj", "c_fc"]),
+    "example": (64, 2, 4, 32, ["c_attn", "c_proj", "c_fc"]),
     "wide": (256, 4, 4, 128, ["c_attn"]),
 }
 

@@ -151,7 +151,7 @@ def test_dp_lora_example_quick(tmp_path):
     untouched), validation on unseen documents, the TensorBoard tags and the table written."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train_docs, validation_docs = dp_lora_gpt2.split_by_document(dp_lora_gpt2.private_documents())
+    train_docs, validation_docs = dp_lora_gpt2.split_by_document(dp_lora_gpt2.dataset_descriptions())
     assert validation_docs and not set(validation_docs) & set(train_docs)
     summary = dp_lora_gpt2.main(["--quick", "--log-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "r.json")])
     base, dp = summary["rows"]
