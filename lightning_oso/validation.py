@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from lightning_oso.adapters import adapter_problems
 from lightning_oso.errors import PrivacyConfigurationError
 
 _NORM_FIX = (
@@ -80,6 +81,7 @@ def validate_model(module: nn.Module) -> None:
                 f"{label}: a trainable layer with buffers (state shared across samples) has no "
                 "per-sample gradient in Opacus; remove the buffers or freeze the layer"
             )
+    problems += adapter_problems(module)  # peft adapters without a per-sample path (lightning_oso.adapters)
     if problems:
         raise PrivacyConfigurationError(
             "the model has layers that cannot be trained with per-sample differential privacy:\n  - "

@@ -1,16 +1,19 @@
 """The examples run end to end at their smallest settings and write what the README promises."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import audit_digits
 import compare_methods
 import digits_oso
+import dp_lora_gpt2
 import linear_scaling
 import pur_schedules
 
@@ -140,3 +143,27 @@ def test_linear_scaling_example_quick(tmp_path):
     assert row["grid_oracle_uncharged_epsilon"] > 2.0
     assert "NOT charged" in (tmp_path / "linear_scaling.md").read_text()
     assert (tmp_path / "fit.png").stat().st_size > 10_000 and (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_dp_lora_example_quick(tmp_path):
+    """DP LoRA on the small GPT-2 at its quick setting: within its budget, only the adapters trained (the frozen base
+    untouched), validation on unseen documents, the TensorBoard tags and the table written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train_docs, validation_docs = dp_lora_gpt2.split_by_document(dp_lora_gpt2.dataset_descriptions())
+    assert validation_docs and not set(validation_docs) & set(train_docs)
+    summary = dp_lora_gpt2.main(["--quick", "--log-dir", str(tmp_path / "logs"), "--out", str(tmp_path / "r.json")])
+    base, dp = summary["rows"]
+    assert dp["epsilon"] <= 8.0 and dp["steps"] == 10 and dp["base_untouched"]
+    assert 0 < dp["trainable_parameters"] < dp["all_parameters"] / 4
+    assert math.isfinite(dp["val_loss"]) and math.isfinite(base["val_loss"])
+    events = EventAccumulator(dp["log_dir"])
+    events.Reload()
+    assert {"dp/clip", "dp/lr", "dp/epsilon", "val/loss", "val/perplexity"} <= set(events.Tags()["scalars"])
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][1]["epsilon"] == dp["epsilon"]
+    # an empty Poisson batch gives a loss whose per-sample gradient is zero (GPT-2 itself cannot run an empty batch)
+    module = dp_lora_gpt2.LoRAFineTuning(dp_lora_gpt2.with_lora(dp_lora_gpt2.gpt2(16, 32, 1, 2, 0), 4), lr=1.0)
+    loss = module.training_step((torch.zeros(0, 16, dtype=torch.long),), 0)
+    loss.backward()
+    assert loss.item() == 0 and all(p.grad.abs().max() == 0 for p in module.parameters() if p.requires_grad)
