@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_oso.errors import PrivateStepRefused
+from lightning_oso.per_sample.parts import sum_dtype
 from lightning_oso.randomness import SecureRandom, standard_normal_like
 
 if TYPE_CHECKING:
@@ -110,8 +111,8 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
     nonfinite = count_nonfinite(norms)
     if into is None:
         return ClippedSums(
-            sums=[s.to(_at_least_float32(s.dtype)) for s in sums],
-            scalars=None if scalars is None else scalars.to(_at_least_float32(scalars.dtype)),
+            sums=[s.to(sum_dtype(s.dtype)) for s in sums],
+            scalars=None if scalars is None else scalars.to(sum_dtype(scalars.dtype)),
             nonfinite=nonfinite,
             norms=[norms],
             size=norms.shape[0],
@@ -226,10 +227,6 @@ def sanitise(
         record_step=record_step,
         refuse=refuse,
     )
-
-
-def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------- weights
