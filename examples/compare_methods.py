@@ -43,6 +43,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import numpy as np
 import torch
+from digits_oso import DigitsCNN
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -85,18 +86,7 @@ def digits_splits(seed: int = 0):
 
 
 def digits_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2, stride=1),
-        nn.Conv2d(16, 32, 3),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 2 * 2, 32),
-        nn.ReLU(),
-        nn.Linear(32, 10),
-    )
+    return DigitsCNN().net  # the demo's architecture, as audit_digits.py uses it
 
 
 def digits_autoencoder() -> nn.Module:
