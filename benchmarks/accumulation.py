@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -29,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import MODELS, _Module, _status_mb, _sync, synthetic_data
+from overhead import MODELS, _Module, _status_mb, _sync, fit_quietly, synthetic_data
 
 from lightning_oso import OSODP
 
@@ -57,22 +56,7 @@ def train(model_name: str, mode: str, logical_batch: int, k: int, steps: int, de
     timer = _OptimizerStepTimer(device, k)
     dp = OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0, grad_sample_mode=mode, seed=0)
     loader = DataLoader(synthetic_data(model_cls, 20 * logical_batch), batch_size=logical_batch // k)
-    trainer = L.Trainer(
-        max_steps=steps,
-        accumulate_grad_batches=k,
-        accelerator="gpu" if device.startswith("cuda") else "cpu",
-        devices=1,
-        callbacks=[timer, dp],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(_Module(model_cls()), loader)
+    fit_quietly(_Module(model_cls()), loader, device, callbacks=[timer, dp], max_steps=steps, accumulate_grad_batches=k)
     return timer.times
 
 

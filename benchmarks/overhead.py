@@ -37,6 +37,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -215,22 +216,27 @@ def run_lightning(variant: str, model_name: str, batch_size: int, steps: int, de
     elif variant == "fixed_clip":
         callbacks.append(FixedThresholdDP(clip=1.0, **dp))
     loader = DataLoader(synthetic_data(model_cls, 50 * batch_size), batch_size=batch_size, shuffle=True)
+    fit_quietly(_Module(model_cls()), loader, device, callbacks=callbacks, max_steps=steps)
+    return timer.times
+
+
+def fit_quietly(module: L.LightningModule, loader: DataLoader, device: str, **trainer_args: Any) -> None:
+    """``Trainer.fit`` on one device with nothing but the training loop: no logger, checkpoints, progress bar,
+    summary or validation, and warnings silenced (the benchmarks time steps, not messages)."""
     trainer = L.Trainer(
-        max_steps=steps,
         accelerator="gpu" if device.startswith("cuda") else "cpu",
         devices=1,
-        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
+        **trainer_args,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(_Module(model_cls()), loader)
-    return timer.times
+        trainer.fit(module, loader)
 
 
 def run_torch(variant: str, model_name: str, batch_size: int, steps: int, device: str) -> list[float]:
