@@ -29,21 +29,22 @@ import argparse
 import json
 import platform
 import statistics
-import time
+import sys
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
 import peft
 import torch
-import transformers
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import OSODP
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from dp_lora_gpt2 import VOCAB, StepTimer, gpt2, with_lora  # the example's model, so the figures are its
+
 VARIANTS = ("non_private", "oso", "oso_hooks")
-VOCAB = 257
 #: name -> (n_embd, n_layer, n_head, tokens per record, LoRA targets)
 MODELS = {
     "example": (64, 2, 4, 32, ["c_attn", "c_proj", "c_fc"]),
@@ -52,20 +53,9 @@ MODELS = {
 
 
 def lora_model(name: str) -> peft.PeftModel:
+    """The example's byte-level GPT-2 (seed 0) with rank-8 adapters on ``name``'s targets."""
     width, layers, heads, context, targets = MODELS[name]
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=context,
-        n_embd=width,
-        n_layer=layers,
-        n_head=heads,
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        attn_pdrop=0.0,
-    )
-    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=True)
-    return peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+    return with_lora(gpt2(context, width, layers, heads, seed=0), rank=8, targets=targets)
 
 
 class _Module(L.LightningModule):
@@ -82,23 +72,12 @@ class _Module(L.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
 
-class _StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._start)
-
-
 def run(variant: str, model_name: str, batch_size: int, steps: int) -> float:
     """Median step time (s) of ``steps`` steps after the first."""
     model = lora_model(model_name)
     context = MODELS[model_name][3]
     data = torch.randint(0, VOCAB - 1, (50 * batch_size, context), generator=torch.Generator().manual_seed(0))
-    timer = _StepTimer()
+    timer = StepTimer()
     callbacks: list[L.Callback] = [timer]
     dp = dict(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0, seed=0)
     if variant == "oso":

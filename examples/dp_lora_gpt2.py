@@ -204,10 +204,9 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def with_lora(base: nn.Module, rank: int) -> peft.PeftModel:
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS, fan_in_fan_out=True
-    )
+def with_lora(base: nn.Module, rank: int, targets: list[str] = LORA_TARGETS) -> peft.PeftModel:
+    """A copy of ``base`` with rank-``rank`` LoRA adapters on the ``targets`` (transformers' Conv1D layers)."""
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=True)
     return peft.get_peft_model(copy.deepcopy(base), config)
 
 
