@@ -75,8 +75,7 @@ class ClippedSums:
         sums: per trainable parameter, the rule's weighted sums ``[k, *param.shape]``, in float32 or wider.
         scalars: the sums of the rule's scalar contributions (``[m]``), or ``None`` for a rule without scalars.
         nonfinite: the number of non-finite per-sample norms (a 0-dim tensor on the device: no host read).
-        norms: the per-sample norms of each micro-batch (for the opt-in, non-private diagnostics only).
-        size: the number of samples on this process (a host int: the micro-batches' sizes).
+        norms: the per-sample norms of each micro-batch (their sizes, and the opt-in non-private diagnostics).
         micro_batches: how many micro-batches were added.
     """
 
@@ -84,8 +83,12 @@ class ClippedSums:
     scalars: Tensor | None
     nonfinite: Tensor
     norms: list[Tensor]
-    size: int
     micro_batches: int
+
+    @property
+    def size(self) -> int:
+        """The number of samples on this process (a host int: the micro-batches' sizes, no device read)."""
+        return sum(n.shape[0] for n in self.norms)
 
 
 def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedSums | None = None) -> ClippedSums:
@@ -115,7 +118,6 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
             scalars=None if scalars is None else scalars.to(sum_dtype(scalars.dtype)),
             nonfinite=nonfinite,
             norms=[norms],
-            size=norms.shape[0],
             micro_batches=1,
         )
     for total, s in zip(into.sums, sums):
@@ -124,7 +126,6 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
         into.scalars.add_(scalars)
     into.nonfinite = into.nonfinite + nonfinite
     into.norms.append(norms)
-    into.size += norms.shape[0]
     into.micro_batches += 1
     return into
 
