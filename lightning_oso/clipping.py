@@ -9,7 +9,10 @@ every method; only the rule varies:
 - ``noise_stds()``: ``[k]``, the standard deviation of the Gaussian noise of each sum;
 - ``scalar_queries(norms)``: ``[n, m]`` per-sample contributions to scalar sums (e.g. the quantile rule's count),
   or ``None``; ``scalar_noise_stds()``: ``[m]``;
-- ``update(sanitised, scalars)``: post-processing of the sanitised values only (docs/algorithms.md, "What is
+- ``DEFERRED_ROWS``: how many of the last weight columns are read only through one inner product with a later,
+  independent vector (OSO's direction query): they get one scalar noise draw instead of a model-sized one
+  (``step.DeferredQuery``);
+- ``update(released)``: post-processing of the step's sanitised values only (docs/algorithms.md, "What is
   private"); returns a factor for the learning rate(s) or ``None``.
 
 Every rule keeps ``noise_multiplier`` (``nu``, what the accountant sees per step) equal to the multiplier of the
@@ -21,12 +24,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_oso import step
 from lightning_oso.validation import check_open_interval, check_positive
+
+if TYPE_CHECKING:
+    from lightning_oso.step import DeferredQuery, SanitisedStep
 
 # The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
 #: OSO, the OSO paper's defaults: ``C_0``, ``rho_c`` (step of ``C_t``) and ``rho_r`` (step of the learning rate).
@@ -51,6 +58,9 @@ class ClippingRule:
 
     #: The sanitised query that becomes the parameter gradient.
     GRADIENT = 0
+    #: How many of the last weight columns are deferred queries (``step.DeferredQuery``), read through one inner
+    #: product each.
+    DEFERRED_ROWS = 0
     #: Names of the attributes whose values must not change across a resume (they define the mechanism).
     _mechanism_keys: tuple[str, ...] = ("noise_multiplier",)
 
@@ -81,8 +91,9 @@ class ClippingRule:
     def scalar_noise_stds(self) -> Tensor | None:
         return None
 
-    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> Tensor | None:
-        """Post-processing after the parameter update; returns a learning-rate factor or ``None`` (no change)."""
+    def update(self, released: SanitisedStep) -> Tensor | None:
+        """Post-processing of the step's released queries after the parameter update; returns a learning-rate
+        factor or ``None`` (no change)."""
         return None
 
     def step_metrics(self) -> dict[str, Tensor]:
@@ -158,10 +169,10 @@ class FixedQuantileClipping(ClippingRule):
     def scalar_noise_stds(self) -> Tensor:
         return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)
 
-    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> None:
-        if scalars is None:
-            raise ValueError("the quantile rule learns from its sanitised count: pass the step's scalars")
-        unclipped_fraction = scalars[self.COUNT].to(torch.float64) + 0.5  # b~_t (the 1/2 un-centres the count)
+    def update(self, released: SanitisedStep) -> None:
+        if released.scalars is None:
+            raise ValueError("the quantile rule learns from its sanitised count: the step released no scalars")
+        unclipped_fraction = released.scalars[self.COUNT].to(torch.float64) + 0.5  # b~_t (the 1/2 un-centres the count)
         self.clip = self.clip * torch.exp(-self.clip_lr * (unclipped_fraction - self.target_quantile))
         self.unclipped_fraction = unclipped_fraction
         return None
@@ -238,6 +249,11 @@ class OSOClipping(ClippingRule):
     with ``q~_0 = g~_0 = 0`` (``sign(0) = 0``: no change at the first step). With SGD momentum the hypergradient
     only gains a positive factor, so the same sign rules hold (docs/algorithms.md, "OSO-DPSGD", step 8).
 
+    The direction query ``q~_{t-1}`` is read only through ``g~_t . q~_{t-1}``, and ``g~_t`` does not depend on its
+    noise: it is a deferred query (``step.DeferredQuery``), noised by one scalar draw, and materialised as a vector
+    with a fresh model-sized draw only when it leaves the process (:meth:`state_dict`; docs/algorithms.md,
+    "OSO-DPSGD", "One Gaussian draw per step").
+
     Args:
         noise_multiplier: ``nu``, what the accountant sees per step.
         initial_clip: ``C_0``.
@@ -246,8 +262,9 @@ class OSOClipping(ClippingRule):
         direction_noise_ratio: ``nu_q / nu``.
     """
 
-    #: The sanitised direction query ``q~_t``.
+    #: The weight column of the direction query ``q~_t``: the last, deferred.
     DIRECTION = 1
+    DEFERRED_ROWS = 1
     _mechanism_keys = ("noise_multiplier", "direction_noise_multiplier")
 
     def __init__(
@@ -265,13 +282,19 @@ class OSOClipping(ClippingRule):
         self.clip_lr = clip_lr
         self.lr_lr = lr_lr
         self.prev_gradient: list[Tensor] | None = None  # g~_{t-1}
-        self.prev_direction: list[Tensor] | None = None  # q~_{t-1}
+        # q~_{t-1}: deferred (its raw sum and one scalar draw) until it is read or leaves the process, then a vector
+        self._prev_direction: DeferredQuery | list[Tensor] | None = None
+        #: ``g~_t . q~_{t-1}`` of the last step (sanitised: ``C_t`` moves by its sign), ``None`` before the second
+        self.direction_product: Tensor | None = None
 
     def to(self, device: torch.device) -> OSOClipping:
         super().to(device)
-        if self.prev_gradient is not None and self.prev_direction is not None:
+        if self.prev_gradient is not None:
             self.prev_gradient = [t.to(device) for t in self.prev_gradient]
-            self.prev_direction = [t.to(device) for t in self.prev_direction]
+        if isinstance(self._prev_direction, list):
+            self._prev_direction = [t.to(device) for t in self._prev_direction]
+        elif self._prev_direction is not None:
+            self._prev_direction = self._prev_direction.to(device)
         return self
 
     def noise_multipliers(self) -> dict[str, float]:
@@ -285,36 +308,56 @@ class OSOClipping(ClippingRule):
         direction = torch.full_like(self.clip, self.direction_noise_multiplier)
         return torch.stack([self.clip * self.gradient_noise_multiplier, direction])
 
-    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> Tensor:
-        """Eqs. 20-21 from this step's sanitised queries (per parameter ``[2, *shape]``).
+    def update(self, released: SanitisedStep) -> Tensor:
+        """Eqs. 20-21 from this step's released queries: the gradient ``g~_t`` and the deferred direction ``q~_t``.
 
         Updates ``C_t`` in place and returns the factor ``exp(rho_r sign(g~_t . g~_{t-1}))`` by which the caller
         multiplies the optimizer's learning rate(s).
         """
-        gradient = [s[self.GRADIENT] for s in sanitised]
-        direction = [s[self.DIRECTION] for s in sanitised]
-        if self.prev_gradient is None or self.prev_direction is None:  # t = 1: q~_0 = g~_0 = 0, sign(0) = 0
+        gradient = released.gradients
+        [direction] = released.deferred
+        if self.prev_gradient is None or self._prev_direction is None:  # t = 1: q~_0 = g~_0 = 0, sign(0) = 0
             lr_factor = torch.ones_like(self.clip)
         else:
-            clip_sign = torch.sign(step.flat_dot(gradient, self.prev_direction)).to(self.clip.dtype)
+            self.direction_product = self._read_direction(gradient)
+            clip_sign = torch.sign(self.direction_product).to(self.clip.dtype)
             lr_sign = torch.sign(step.flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
             lr_factor = torch.exp(self.lr_lr * lr_sign)
         self.prev_gradient = [g.detach().clone() for g in gradient]  # a copy: p.grad is a view a user may edit
-        self.prev_direction = [d.detach() for d in direction]  # only this rule sees the direction query
+        self._prev_direction = direction
         return lr_factor
 
+    def _read_direction(self, gradient: Sequence[Tensor]) -> Tensor:
+        """``g~_t . q~_{t-1}``: through the deferred query's one inner product, or (after a checkpoint or a resume)
+        with the materialised ``q~_{t-1}``."""
+        if isinstance(self._prev_direction, list):
+            return step.flat_dot(gradient, self._prev_direction)
+        assert self._prev_direction is not None
+        return self._prev_direction.inner(gradient)
+
+    @property
+    def prev_direction(self) -> list[Tensor] | None:
+        """``q~_{t-1}``, materialised with a fresh model-sized draw if it is still deferred (from then on the run
+        continues from this vector, as the mechanism as written would)."""
+        if self._prev_direction is not None and not isinstance(self._prev_direction, list):
+            self._prev_direction = self._prev_direction.materialise()
+        return self._prev_direction
+
     def state_dict(self) -> dict:
+        """``C_t``, ``g~_{t-1}`` and ``q~_{t-1}``: a deferred ``q~_{t-1}`` is materialised first (its raw sum never
+        leaves the process)."""
         state = super().state_dict()
         state["prev_gradient"] = None if self.prev_gradient is None else [t.cpu() for t in self.prev_gradient]
-        state["prev_direction"] = None if self.prev_direction is None else [t.cpu() for t in self.prev_direction]
+        direction = self.prev_direction
+        state["prev_direction"] = None if direction is None else [t.cpu() for t in direction]
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         device = self.clip.device
         self.prev_gradient = None if state["prev_gradient"] is None else [t.to(device) for t in state["prev_gradient"]]
-        self.prev_direction = (
+        self._prev_direction = (
             None if state["prev_direction"] is None else [t.to(device) for t in state["prev_direction"]]
         )
 
@@ -356,7 +399,7 @@ class ScheduledNoiseClipping(ClippingRule):
     def noise_stds(self) -> Tensor:
         return (2.0 * self.clip * self.noise_multiplier).reshape(1)  # = N sigma_t on the sum
 
-    def update(self, sanitised: Sequence[Tensor], scalars: Tensor | None = None) -> None:
+    def update(self, released: SanitisedStep) -> None:
         self.t += 1
         self.noise_multiplier = self.gradient_noise_multiplier = self._multiplier(self.t)
         return None

@@ -6,7 +6,8 @@ from arithmetic on seed integers (two seeds ``s + 1`` and ``s * 1000003 + 1`` ca
 
     (session nonce, purpose, rank, step)
 
-- *purpose* separates the Gaussian noise from the Poisson sampling (``NOISE``, ``SAMPLING``);
+- *purpose* separates the Gaussian noise from the Poisson sampling (``NOISE``, ``SAMPLING``) and from the draw that
+  materialises OSO's deferred direction query (``DIRECTION``);
 - *rank* separates the processes of a DDP world;
 - *step* is the privacy ledger's executed-step counter, which never goes back: no two steps of one session share a
   stream, whatever the epochs and restarts;
@@ -41,8 +42,10 @@ from torch import Tensor
 
 from lightning_oso.validation import check_bool, check_int
 
-#: The purposes a stream serves (the second entry of its spawn key).
-NOISE, SAMPLING = 0, 1
+#: The purposes a stream serves (the second entry of its spawn key). ``DIRECTION``: the fresh draw that materialises
+#: OSO's deferred direction query when it leaves the process (``step.DeferredQuery``), keyed on rank 0 on every
+#: process, since every process continues from the same vector.
+NOISE, SAMPLING, DIRECTION = 0, 1, 2
 
 #: A run's root seed: an int, a numpy ``SeedSequence`` (such as a search's spawned child), or ``None`` for OS entropy.
 Seed: TypeAlias = int | np.random.SeedSequence | None

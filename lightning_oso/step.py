@@ -14,6 +14,11 @@ and how much noise each query gets; the weight functions it uses are the ones be
 What depends on the run comes in as small callables: the noise (drawn by rank 0 only, from a stream keyed on the
 ledger's executed-step counter), the sum across processes, the ledger's write-ahead record, and the refusal message.
 
+A rule may declare its last rows *deferred* (``ClippingRule.DEFERRED_ROWS``; OSO's direction query): such a row is
+read by the rule only through one inner product with a later, independent vector, so it gets one scalar Gaussian
+draw instead of a model-sized one and is returned as a :class:`DeferredQuery`, which never releases its raw sum
+(docs/algorithms.md, "OSO-DPSGD", "One Gaussian draw per step").
+
 Every stage stays on the device of its inputs and reads nothing back to the host but one flag: whether a per-sample
 norm was non-finite, read after the sums and the noise are queued (on a GPU the device keeps working while the host
 waits). Such a step is refused on every process alike, before anything of it is released.
@@ -44,20 +49,69 @@ Reduce = Callable[[list[Tensor]], list[Tensor]]
 Refuse = Callable[[int, int], NoReturn]
 
 
+class DeferredQuery:
+    """A vector query ``q~ = (S + Z) / B`` with ``Z ~ N(0, std^2 I)``, read through one inner product ``v . q~`` with a
+    vector ``v`` that does not depend on ``Z`` (OSO's direction query, read as ``g~_{t+1} . q~_t``; docs/algorithms.md,
+    "OSO-DPSGD", "One Gaussian draw per step").
+
+    For such a ``v``, ``v . Z`` is distributed as ``||v|| z`` with one scalar ``z ~ N(0, std^2)``. The query keeps the
+    raw ``S / B`` and ``z / B`` (drawn with the step's noise, by rank 0, summed across processes like the sums) instead
+    of a model-sized ``Z``: :meth:`inner` returns ``v . S / B + ||v|| z / B``, which has the distribution of
+    ``v . q~``, jointly with everything else the run releases. :meth:`materialise` instead returns ``q~`` itself, with
+    a fresh model-sized ``Z`` (the mechanism as written), for what leaves the process (a checkpoint).
+
+    Either may be asked once, and not both: a second inner product, or ``q~`` after one, would need ``Z``'s
+    components along two vectors, which one scalar does not give. The raw sum is never returned.
+    """
+
+    def __init__(self, sums: list[Tensor], noise: Tensor, std: Tensor, materialise_noise: AddNoise) -> None:
+        self._sums = sums  # S / B per parameter, [1, *shape]: un-noised, never returned
+        self._noise = noise  # z / B, a 0-dim tensor
+        self._std = std  # std / B, the per-coordinate std of Z / B (a 0-dim tensor)
+        self._materialise_noise = materialise_noise
+        self._spent = False
+
+    def _spend(self, what: str) -> None:
+        if self._spent:
+            raise RuntimeError(
+                f"this deferred query was already read (its one inner product or q~ itself): {what} would release "
+                "its sum a second time with noise that one scalar draw does not cover"
+            )
+        self._spent = True
+
+    def inner(self, vector: Sequence[Tensor]) -> Tensor:
+        """``v . q~`` for a vector ``v`` (one tensor per parameter) independent of ``Z``, as a 0-dim tensor."""
+        self._spend("a second inner product")
+        product = flat_dot(vector, self._sums)
+        return product + flat_dot(vector, vector).sqrt() * self._noise.to(product.dtype)
+
+    def materialise(self) -> list[Tensor]:
+        """``q~ = (S + Z) / B`` with a fresh model-sized ``Z`` (per parameter, new tensors)."""
+        self._spend("q~ itself")
+        return [q[0] for q in self._materialise_noise(self._sums, self._std.reshape(1))]
+
+    def to(self, device: torch.device) -> DeferredQuery:
+        self._sums = [s.to(device) for s in self._sums]
+        self._noise, self._std = self._noise.to(device), self._std.to(device)
+        return self
+
+
 @dataclass(frozen=True)
 class SanitisedStep:
     """What one private step releases: noised, summed over all processes and divided by the expected batch size.
 
     Attributes:
         sums: per trainable parameter, the rule's sanitised vector queries, ``[k, *param.shape]``; row
-            ``gradient_row`` is the new gradient (OSO's row 1 is the direction query).
+            ``gradient_row`` is the new gradient.
         scalars: the rule's sanitised scalar queries, ``[m]`` (the quantile rule's centred count), or ``None``.
         gradient_row: the row of ``sums`` that is the parameter's gradient (``ClippingRule.GRADIENT``).
+        deferred: the rule's deferred queries (OSO's direction query), one :class:`DeferredQuery` each.
     """
 
     sums: tuple[Tensor, ...]
     scalars: Tensor | None
     gradient_row: int = 0
+    deferred: tuple[DeferredQuery, ...] = ()
 
     @property
     def gradients(self) -> list[Tensor]:
@@ -139,18 +193,26 @@ def release(
     sum_across_processes: Reduce | None = None,
     record_step: Callable[[], None] | None = None,
     refuse: Refuse | None = None,
+    materialise_noise: AddNoise | None = None,
 ) -> SanitisedStep:
     """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: add noise ->
     reduce across processes (with the refusal count) -> refuse a non-finite step or record it in the ledger ->
     scale by the expected batch size. Arguments as in :func:`sanitise`."""
-    # -> add noise
-    noisy = add_noise(clipped.sums, rule.noise_stds())
+    stds = rule.noise_stds()
+    vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
+    dtype = clipped.sums[0].dtype if clipped.sums else torch.float32
+    # -> add noise: a model-sized draw on each vector row; one scalar draw per deferred row (its noise along the one
+    # vector it will be read with)
+    noisy = add_noise([s[:vectors] for s in clipped.sums], stds[:vectors])
     scalar_sums = [clipped.scalars] if clipped.scalars is not None else []
     noisy_scalars = add_noise(scalar_sums, _scalar_stds(rule)) if scalar_sums else []
+    deferred: list[Tensor] = []
+    if rule.DEFERRED_ROWS:
+        deferred = add_noise([torch.zeros(rule.DEFERRED_ROWS, dtype=dtype, device=stds.device)], stds[vectors:])
+        deferred += [s[vectors:] for s in clipped.sums]  # views: never noised as vectors, never returned
 
     # -> reduce across processes (the refusal flag with them)
-    flag_dtype = clipped.sums[0].dtype if clipped.sums else torch.float32
-    totals = [*noisy, *noisy_scalars, clipped.nonfinite.to(flag_dtype).reshape(1)]
+    totals = [*noisy, *noisy_scalars, *deferred, clipped.nonfinite.to(dtype).reshape(1)]
     if sum_across_processes is not None:
         totals = sum_across_processes(totals)
 
@@ -163,9 +225,21 @@ def release(
         record_step()
 
     # -> scale
-    released = average(totals[: len(clipped.sums)], expected_batch_size)
-    scalars = average(totals[len(clipped.sums) : -1], expected_batch_size)[0] if scalar_sums else None
-    return SanitisedStep(sums=tuple(released), scalars=scalars, gradient_row=rule.GRADIENT)
+    totals = average(totals[:-1], expected_batch_size)
+    released, totals = totals[: len(noisy)], totals[len(noisy) :]
+    scalars, totals = totals[: len(noisy_scalars)], totals[len(noisy_scalars) :]
+    queries = tuple(
+        DeferredQuery(
+            [s[row : row + 1] for s in totals[1:]],
+            totals[0][row],
+            stds[vectors + row] / expected_batch_size,
+            materialise_noise or add_noise,
+        )
+        for row in range(rule.DEFERRED_ROWS)
+    )
+    return SanitisedStep(
+        sums=tuple(released), scalars=scalars[0] if scalars else None, gradient_row=rule.GRADIENT, deferred=queries
+    )
 
 
 def sanitise(
@@ -178,6 +252,7 @@ def sanitise(
     record_step: Callable[[], None] | None = None,
     refuse: Refuse | None = None,
     observe_norms: Callable[[Tensor], None] | None = None,
+    materialise_noise: AddNoise | None = None,
 ) -> SanitisedStep:
     """One private step on this process's batch, from its per-sample gradients to the released queries:
     :func:`clip_and_sum`, then :func:`release` (the strategy runs the two apart when a logical batch comes in
@@ -195,6 +270,8 @@ def sanitise(
             refusal check) and before anything of it is returned.
         refuse: raises for a step with non-finite per-sample norms (default: :func:`refuse_step`, unnumbered).
         observe_norms: opt-in, NOT private: sees the raw per-sample norms (the strategy's diagnostics).
+        materialise_noise: the noise with which a deferred query is materialised (:meth:`DeferredQuery.materialise`),
+            the same draw on every process (default: ``add_noise``, right on one process).
 
     Returns:
         The released queries (:class:`SanitisedStep`).
@@ -227,6 +304,7 @@ def sanitise(
         sum_across_processes=sum_across_processes,
         record_step=record_step,
         refuse=refuse,
+        materialise_noise=materialise_noise,
     )
 
 

@@ -7,8 +7,8 @@ Scenarios:
     train     OSO with momentum, a budget that stops training before max_epochs; records the batches each
               process saw (record indices), so the test can check the shards and the global rate.
     noise     zero gradients, FixedThresholdDP: one step moves the weights by the noise alone.
-    resume    as ``train`` with deterministic_resume, 4 epochs at a fixed noise multiplier; with CKPT=part, one
-              epoch and its checkpoint (an interrupted run); with CKPT=load, resume that checkpoint to 4 epochs.
+    resume    as ``train`` with deterministic_resume, 4 epochs at a fixed noise multiplier, a checkpoint every epoch;
+              with CKPT=part, one epoch (an interrupted run); with CKPT=load, resume its checkpoint to 4 epochs.
     nan       an inf input on rank 1 in step 2 only: every process must refuse the step (none hangs).
     accumulate
               OSO with accumulate_grad_batches=2 and 5 records per process and micro-batch (q = 2 * 5 * 2 / 200 = 0.1,
@@ -91,7 +91,9 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
         plan = dict(max_epochs=1 if ckpt == "part" else 4)
     initial = [p.detach().clone() for p in model.parameters()]
     checkpoints = []
-    if scenario == "resume" and ckpt == "part":
+    if scenario == "resume":
+        # every run of the scenario checkpoints each epoch, the uninterrupted one too: a checkpoint materialises OSO's
+        # deferred direction query (a fresh draw) and the run continues from it, so bit-identical runs share them
         checkpoints = [ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1, filename="{epoch}")]
     trainer = L.Trainer(
         accelerator="cpu",

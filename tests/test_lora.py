@@ -116,7 +116,14 @@ def production(model: nn.Module, x: torch.Tensor, mode: str, clip: float):
     finally:
         detach(hooks)
         model.zero_grad(set_to_none=True)
-    return norms, weights, torch.cat([s.reshape(2, -1) for s in released.sums], dim=1)
+    return norms, weights, _both_queries(released)
+
+
+def _both_queries(released):
+    """The clipped sum and the direction sum of a noiseless step, ``[2, P]`` (the deferred direction query
+    materialised with the same noiseless stage: its raw sum)."""
+    direction = released.deferred[0].materialise()
+    return torch.cat([torch.cat([g, d.unsqueeze(0)]).reshape(2, -1) for g, d in zip(released.sums, direction)], dim=1)
 
 
 # ------------------------------------------------------------------------------------------ no work on the frozen base
@@ -154,8 +161,9 @@ def test_only_the_adapter_layers_are_hooked_on_both_paths():
 
 @pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
 def test_private_training_touches_only_the_adapters_and_noises_their_size(monkeypatch, mode):
-    """Through the Trainer: every noise draw has exactly the adapters' size (two queries for OSO), the frozen
-    base (in the optimizer too) keeps its values bit for bit and never holds a gradient, the adapters move."""
+    """Through the Trainer: each step draws one Gaussian of exactly the adapters' size (OSO's clipped sum) and one
+    scalar (its deferred direction query), the frozen base (in the optimizer too) keeps its values bit for bit and
+    never holds a gradient, the adapters move."""
     model = lora_gpt2(init_lora_weights=True)  # peft's default: lora_B = 0
     n_trainable = model.get_nb_trainable_parameters()[0]
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
@@ -177,10 +185,11 @@ def test_private_training_touches_only_the_adapters_and_noises_their_size(monkey
     dp = OSODP(target_epsilon=3.0, target_delta=1e-4, noise_multiplier=1.0, grad_sample_mode=mode, seed=0)
     trainer = make_trainer([dp, Watch()], max_steps=3)
     trainer.fit(LoRALM(model), DataLoader(TensorDataset(tokens(60)), batch_size=10))
-    assert dp.steps == 3 and len(draws) == 3
-    for shapes in draws:
-        assert all(s[0] == 2 for s in shapes)  # OSO: the clipped sum and the direction sum
+    assert dp.steps == 3 and len(draws) == 6
+    for shapes, direction in zip(draws[::2], draws[1::2]):
+        assert all(s[0] == 1 for s in shapes)  # OSO's clipped sum
         assert sum(math.prod(s[1:]) for s in shapes) == n_trainable  # the noise dimension: the adapters' size
+        assert direction == [torch.Size([1])]  # the direction query's one scalar
     trained = {f"model.{name}" for name in adapters}
     assert grads_seen == [trained] * 3  # the sanitised gradients, on the adapters only
     for name, value in frozen.items():
@@ -211,7 +220,7 @@ def test_sanitised_step_matches_hooks_and_one_sample_at_a_time_autograd():
     oracle = step.sanitise(
         TensorSource([exact.float()]), OSOClipping(1.0, initial_clip=clip), 1.0, add_noise=lambda s, stds: s
     )
-    torch.testing.assert_close(results["book_keeping"][2], oracle.sums[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results["book_keeping"][2], _both_queries(oracle), rtol=1e-4, atol=1e-5)
 
 
 def crafted_records(length: int = 12) -> list[torch.Tensor]:

@@ -23,7 +23,14 @@ from lightning_oso import (
 )
 from lightning_oso.clipping import quantile_gradient_noise_multiplier
 from lightning_oso.per_sample import TensorSource, per_sample_norms, weighted_sums
-from lightning_oso.step import add_gaussian_noise, average, centred_unclipped_count, gaussian_noise, sanitise
+from lightning_oso.step import (
+    SanitisedStep,
+    add_gaussian_noise,
+    average,
+    centred_unclipped_count,
+    gaussian_noise,
+    sanitise,
+)
 
 
 def _samples(n=7, seed=0):
@@ -46,7 +53,7 @@ def test_fixed_threshold_sum_matches_brute_force(clip):
         assert s.shape[0] == 1
         torch.testing.assert_close(s[0], expected)
     assert rule.noise_stds().tolist() == [pytest.approx(clip * 1.0)]
-    assert rule.update(sums) is None and rule.clip.item() == clip  # C is constant
+    assert rule.update(SanitisedStep(sums=tuple(sums), scalars=None)) is None and rule.clip.item() == clip  # C const
 
 
 def test_fixed_threshold_noise_std():
@@ -84,9 +91,10 @@ def test_quantile_update_and_count_noise():
         noise_multiplier=1.0, target_quantile=0.3, count_noise_std=2.0, initial_clip=1.0, clip_lr=0.2
     )
     # b~ = count/B + 1/2: 0.5 + 0.5 = 1.0 unclipped fraction: above gamma, so C shrinks by exp(-0.2 (1 - 0.3))
-    rule.update([], torch.tensor([0.5], dtype=torch.float64))
+    rule.update(SanitisedStep(sums=(), scalars=torch.tensor([0.5], dtype=torch.float64)))
     assert rule.clip.item() == pytest.approx(math.exp(-0.2 * 0.7))
-    rule.update([], torch.tensor([-0.5], dtype=torch.float64))  # nothing unclipped: C grows by exp(0.2 * 0.3)
+    # nothing unclipped: C grows by exp(0.2 * 0.3)
+    rule.update(SanitisedStep(sums=(), scalars=torch.tensor([-0.5], dtype=torch.float64)))
     assert rule.clip.item() == pytest.approx(math.exp(-0.2 * 0.7 + 0.2 * 0.3))
     # count noise: std sigma_b / B around the true centred fraction
     norms = torch.ones(10, dtype=torch.float64) * 5  # all clipped at C ~ 0.9
@@ -255,9 +263,12 @@ def test_oso_with_momentum_replays_from_sanitised_values():
     recorded = []
     original = OSOClipping.update
 
-    def spy(rule, sanitised, scalars=None):
-        recorded.append([s.detach().clone() for s in sanitised])
-        return original(rule, sanitised, scalars)
+    def spy(rule, released):
+        factor = original(rule, released)
+        # g~_t, and g~_t . q~_{t-1} (read through the deferred direction query's one inner product)
+        product = None if rule.direction_product is None else rule.direction_product.item()
+        recorded.append(([g.detach().clone() for g in released.gradients], product))
+        return factor
 
     OSOClipping.update = spy
     try:
@@ -271,16 +282,14 @@ def test_oso_with_momentum_replays_from_sanitised_values():
     params = [p.clone() for p in start]
     buffers = None
     clip, lr = 0.1, lr0
-    prev_g = prev_q = None
-    for step in recorded:
-        g = [s[0] for s in step]
-        q = [s[1] for s in step]
+    prev_g = None
+    for g, direction_product in recorded:
         buffers = [gi.clone() for gi in g] if buffers is None else [momentum * b + gi for b, gi in zip(buffers, g)]
         params = [p - lr * b for p, b in zip(params, buffers)]
         if prev_g is not None:
-            clip *= math.exp(0.05 * math.copysign(1, dot(g, prev_q)))
+            clip *= math.exp(0.05 * math.copysign(1, direction_product))
             lr *= math.exp(0.05 * math.copysign(1, dot(g, prev_g)))
-        prev_g, prev_q = g, q
+        prev_g = g
     assert len(recorded) == 20
     assert dp.clip == pytest.approx(clip, rel=1e-9)
     assert float(model.optimizers().param_groups[0]["lr"]) == pytest.approx(lr, rel=1e-9)

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_oso.per_sample import BookKeeping, fast_path, per_sample_norms, weighted_sums
 from lightning_oso.per_sample.parts import Instantiated
+from lightning_oso.step import DeferredQuery, SanitisedStep, gaussian_noise
 
 
 class Mixed(nn.Module):
@@ -274,9 +275,16 @@ def test_private_step_reads_one_flag_back_to_the_host(monkeypatch):
     reads.clear()
     # and the rule's update (C_t, rho_t) from the sanitised values
     rule = callback.rule
-    sanitised = [torch.randn(2, *p.shape) for p in model.parameters()]
-    watched(rule.update)(sanitised)
-    watched(rule.update)(sanitised)
+
+    def released():
+        shapes = [p.shape for p in model.parameters()]
+        direction = DeferredQuery(
+            [torch.randn(1, *s) for s in shapes], torch.randn(()), torch.tensor(1.0), gaussian_noise()
+        )
+        return SanitisedStep(sums=tuple(torch.randn(1, *s) for s in shapes), scalars=None, deferred=(direction,))
+
+    watched(rule.update)(released())
+    watched(rule.update)(released())  # reads g~_t . q~_{t-1} through the deferred query, on the device
     assert reads == ["call", "call"]
 
 

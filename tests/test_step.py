@@ -2,6 +2,7 @@
 function the strategy runs, and its stages)."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -79,13 +80,14 @@ def test_one_record_changes_noiseless_sums_by_at_most_clip_and_one():
 
 
 def test_noise_standard_deviations():
-    """Noise of the two queries: std C_t * nu_g and nu_q (in sum units), independent; checked on 400k draws."""
+    """Noise of the two queries: std C_t * nu_g and nu_q (in sum units), independent; checked on 400k draws. The
+    direction query is deferred: its vector noise is the one it is materialised with (what a checkpoint holds)."""
     rule = OSOClipping(noise_multiplier=1.3, initial_clip=0.7)
     zeros = [torch.zeros(4, 100_000, dtype=torch.float64), torch.zeros(4, 100_000, dtype=torch.float64)]
     gen = torch.Generator().manual_seed(0)
-    noisy = step.sanitise(TensorSource(zeros), rule, expected_batch_size=1.0, add_noise=step.gaussian_noise(gen)).sums
-    grad_noise = torch.cat([s[0].flatten() for s in noisy])
-    dir_noise = torch.cat([s[1].flatten() for s in noisy])
+    released = step.sanitise(TensorSource(zeros), rule, expected_batch_size=1.0, add_noise=step.gaussian_noise(gen))
+    grad_noise = torch.cat([s[0].flatten() for s in released.sums])
+    dir_noise = torch.cat([s.flatten() for s in released.deferred[0].materialise()])
     n = grad_noise.numel()
     # the sample std of n normals has relative standard error 1/sqrt(2n) ~ 0.0016: allow 5 standard errors
     tol = 5 / math.sqrt(2 * n)
@@ -94,6 +96,21 @@ def test_noise_standard_deviations():
     assert abs(grad_noise.mean().item()) < 5 * 0.7 * rule.gradient_noise_multiplier / math.sqrt(n)
     corr = torch.corrcoef(torch.stack([grad_noise, dir_noise]))[0, 1].item()
     assert abs(corr) < 5 / math.sqrt(n)
+
+
+def test_the_step_draws_one_model_sized_gaussian_for_oso():
+    """OSO's direction query costs one scalar draw, not a second model-sized one: the step's generator advances by
+    the gradient's draw and a few numbers (counted by the draws a generator in the same state would have made)."""
+    rule = OSOClipping(noise_multiplier=1.0)
+    params = [torch.zeros(3, 1000, 50, dtype=torch.float64)]  # 3 samples of a 50k-parameter model
+    drawn = []
+
+    def counting_noise(sums, stds):
+        drawn.append(sum(s.numel() for s in sums))
+        return step.add_gaussian_noise(sums, stds)
+
+    step.sanitise(TensorSource(params), rule, 3.0, add_noise=counting_noise)
+    assert drawn == [50_000, 1]  # the gradient's row, then the direction's one scalar
 
 
 def test_division_by_expected_not_actual_batch_size():
@@ -112,7 +129,7 @@ def test_empty_batch_gives_pure_noise():
     samples = [torch.zeros(0, 50_000)]
     noise = step.gaussian_noise(torch.Generator().manual_seed(1))
     out = step.sanitise(TensorSource(samples), rule, 4.0, add_noise=noise).sums
-    assert out[0].shape == (2, 50_000)
+    assert out[0].shape == (1, 50_000)  # the gradient; the direction query is deferred
     assert out[0][0].std().item() == pytest.approx(2.0 * rule.gradient_noise_multiplier / 4.0, rel=0.03)
 
 
@@ -134,15 +151,24 @@ def test_opacus_hooks_give_true_per_sample_gradients():
             torch.testing.assert_close(gs[i], p.grad, atol=1e-6, rtol=1e-5)
 
 
+def _released(gradient, direction):
+    """A released step with this gradient and a noiseless deferred direction query (one parameter)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    query = step.DeferredQuery([direction.unsqueeze(0)], zero, zero, step.gaussian_noise())
+    return step.SanitisedStep(sums=(gradient.unsqueeze(0),), scalars=None, deferred=(query,))
+
+
 def test_oso_update_rule_signs():
     rule = OSOClipping(noise_multiplier=1.0, initial_clip=1.0, clip_lr=0.1, lr_lr=0.2)
-    g1 = [torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)]  # rows: gradient, direction
-    assert rule.update(g1).item() == 1.0 and rule.clip.item() == 1.0  # first step: no change
+    t = partial(torch.tensor, dtype=torch.float64)
+    assert rule.update(_released(t([1.0, 0.0]), t([1.0, 0.0]))).item() == 1.0  # first step: no change
+    assert rule.clip.item() == 1.0
     # gradient agrees with the previous gradient and previous direction: both go up
-    factor = rule.update([torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)])
+    factor = rule.update(_released(t([2.0, 0.0]), t([0.0, 1.0])))
     assert factor.item() == pytest.approx(math.exp(0.2))
     assert rule.clip.item() == pytest.approx(math.exp(0.1))
+    assert rule.direction_product.item() == pytest.approx(2.0)  # (2, 0) . (1, 0)
     # gradient opposes the previous direction (0, 1) and the previous gradient (2, 0): both go down
-    factor = rule.update([torch.tensor([[-1.0, -1.0], [0.0, 0.0]], dtype=torch.float64)])
+    factor = rule.update(_released(t([-1.0, -1.0]), t([0.0, 0.0])))
     assert factor.item() == pytest.approx(math.exp(-0.2))
     assert rule.clip.item() == pytest.approx(1.0)

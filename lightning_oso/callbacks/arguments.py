@@ -107,7 +107,9 @@ _SHARED_ARGS_DOC = {
             checkpoint must point to the run's ledger); ``False``: no ledger (a resume then charges only what the
             checkpoint holds; warned).""",
     "deterministic_resume": """deterministic_resume: resume with the randomness of the uninterrupted run (same seed,
-            streams keyed on the step alone), so a resumed run repeats it bit for bit. Off by default: a resume (and
+            streams keyed on the step alone), so a resumed run repeats bit for bit an uninterrupted run that saved the
+            same checkpoints (a checkpoint materialises OSO's deferred direction query with a draw of its own;
+            docs/algorithms.md, "One Gaussian draw per step"). Off by default: a resume (and
             a second ``fit``) then draws fresh streams, keyed on a nonce from the operating system. **Risk:** with
             it on, two runs resumed from one checkpoint (branches, e.g. with another learning rate) at the same
             time, or without a ledger, draw the *same* noise and batches, and releasing both cancels the noise

@@ -38,8 +38,16 @@ from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, norm_bounds
 from lightning_oso.per_sample.sources import Hooks
-from lightning_oso.randomness import NOISE, Generator, RunRandomness
-from lightning_oso.step import ClippedSums, SanitisedStep, add_gaussian_noise, clip_and_sum, refuse_step, release
+from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
+from lightning_oso.step import (
+    AddNoise,
+    ClippedSums,
+    SanitisedStep,
+    add_gaussian_noise,
+    clip_and_sum,
+    refuse_step,
+    release,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -255,7 +263,7 @@ class PrivateTraining(_StrategyBase):
         result = super().optimizer_step(optimizer, private_closure, model, **kwargs)
         # the rule learns from sanitised values only (docs/algorithms.md, "What is private"): post-processing, no
         # privacy cost
-        lr_factor = self.rule.update(released["step"].sums, released["step"].scalars)
+        lr_factor = self.rule.update(released["step"])
         if lr_factor is not None:
             for group in optimizer.param_groups:  # rho_t, applied multiplicatively (docs/algorithms.md, "OSO-DPSGD")
                 group["lr"] = group["lr"] * lr_factor
@@ -300,6 +308,7 @@ class PrivateTraining(_StrategyBase):
                 sum_across_processes=self.sum_across_processes,
                 record_step=self.ledger.record_step if self.ledger is not None else None,
                 refuse=self._refuse_step,
+                materialise_noise=self._materialise_noise(self.executed_steps),
             )
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here
@@ -313,6 +322,24 @@ class PrivateTraining(_StrategyBase):
         if not self.adds_noise:
             return sums
         return add_gaussian_noise(sums, stds, self._noise_generator())
+
+    def _materialise_noise(self, step: int) -> AddNoise:
+        """The noise that materialises a deferred query of step ``step`` (``step.DeferredQuery``), the same draw on
+        every process, since each continues from the materialised vector: from the ``DIRECTION`` stream of rank 0 on
+        every process, or, with the operating system's generator (which cannot be keyed), drawn by rank 0 and summed
+        across processes (then every process must materialise at once, as Lightning's checkpointing does)."""
+
+        def add_noise(sums: list[Tensor], stds: Tensor) -> list[Tensor]:
+            if self.randomness is None:
+                raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
+            generator = self.randomness.generator(DIRECTION, step, rank=0, device=self.root_device)
+            if self.world_size == 1 or not isinstance(generator, SecureRandom):
+                return add_gaussian_noise(sums, stds, generator)
+            zeros = [torch.zeros_like(s) for s in sums]
+            noise = self.sum_across_processes(add_gaussian_noise(zeros, stds, generator) if self.adds_noise else zeros)
+            return [n.add_(s) for n, s in zip(noise, sums)]
+
+        return add_noise
 
     def _noise_generator(self) -> Generator:
         """This step's noise stream, keyed on the ledger's executed-step counter (never reused across steps,
