@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs install clean
+.PHONY: demo test test-fast lint docs install clean bench-cuda
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ lint: $(STAMP)
 # --strict turns every warning (a broken link, a docstring that does not parse) into an error
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# the GPU overhead table (on a CUDA machine): every model at the default batch sizes (64, 256), fp32 and bf16 autocast,
+# into benchmarks/results/overhead_cuda.{json,md,png}. Not through the .venv, whose constraints pin torch's CPU wheel:
+# $(PYTHON) is an environment with a CUDA build of torch and the dev extras (transformers, opacus, matplotlib), e.g.
+# `make bench-cuda PYTHON=/opt/env/bin/python`; PYTHONPATH=. imports this checkout's lightning_oso.
+bench-cuda:
+	PYTHONPATH=. $(PYTHON) benchmarks/overhead.py --device cuda --precision 32-true bf16-mixed \
+		--out benchmarks/results/overhead_cuda
 
 clean:
 	rm -rf $(VENV) lightning_logs site
