@@ -2,9 +2,21 @@
 
 import lightning.pytorch as L
 import pytest
+import torch
 from helpers import ToyModel, make_trainer, toy_loader
 
 from lightning_oso import OSODP
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test runs on one intra-op thread, whatever the test before it left: the examples' ``main`` sets
+    ``torch.set_num_threads`` for their command-line users (2 on a 2-core machine, and never puts it back), and the
+    tests' tiny models then ran every later test with threads fighting for the cores (several times slower under
+    load). One thread is also what the tests' small tensors run fastest on."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,14 @@ import pur_schedules
 from lightning_oso import compute_epsilon
 
 
+@pytest.fixture(autouse=True)
+def _examples_keep_one_thread(monkeypatch):
+    """The examples' ``main`` picks a thread count for its command-line users (``torch.set_num_threads(2)`` on a
+    2-core machine); here their tiny models ran 2-4x slower with the threads fighting the test process for the cores.
+    What the tests check (budgets, files, step counts) does not depend on the thread count, so they keep one."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+
 @pytest.mark.slow
 def test_digits_demo_smallest_setting(tmp_path):
     plot = tmp_path / "plot.png"
