@@ -81,6 +81,10 @@ class ClippingRule:
     def weights(self, norms: Tensor) -> Tensor:
         return step.clip_weights(norms, self.clip.to(norms.dtype))
 
+    def queries(self, sums: list[Tensor]) -> list[Tensor]:
+        """The rule's query sums from the weighted sums of its weight columns (here the same)."""
+        return sums
+
     def noise_stds(self) -> Tensor:
         """``C_t nu_g``: the clipped sum has sensitivity ``C_t``."""
         return (self.clip * self.gradient_noise_multiplier).reshape(1)
@@ -301,7 +305,13 @@ class OSOClipping(ClippingRule):
         return {**super().noise_multipliers(), "direction_noise_multiplier": self.direction_noise_multiplier}
 
     def weights(self, norms: Tensor) -> Tensor:
-        return step.oso_weights(norms, self.clip.to(norms.dtype))
+        """Each record in one column: left whole, or its unit direction if clipped (``step.oso_split_weights``), so
+        that the layers can form both sums with one product per record; :meth:`queries` makes the clipped sum."""
+        return step.oso_split_weights(norms, self.clip.to(norms.dtype))
+
+    def queries(self, sums: list[Tensor]) -> list[Tensor]:
+        """The clipped sum (eq. 4) and the direction sum (eq. 11) from the split columns."""
+        return step.clipped_sum_from_split(sums, self.clip)
 
     def noise_stds(self) -> Tensor:
         """``C_t nu_g`` (sensitivity ``C_t``) and ``nu_q`` (sensitivity 1)."""

@@ -159,7 +159,7 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
     weights = rule.weights(norms)
     # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter was
     # used may depend on the data
-    sums = per_sample.weighted_sums(weights)
+    sums = rule.queries(per_sample.weighted_sums(weights))
     per_sample.release()
     contributions = rule.scalar_queries(norms)
     scalars = contributions.sum(dim=0) if contributions is not None else None
@@ -323,24 +323,32 @@ def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
     return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
 
 
+def oso_split_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """OSO's two sums with each record in one column only, shape ``[n, 2]``: column 0 holds the records left whole
+    (``||g_i|| <= C_t``, weight 1), column 1 the unit directions of the clipped ones (weight ``1 / ||g_i||``, eq. 11).
+    The clipped sum (eq. 4) is column 0 plus ``C_t`` times column 1 (:func:`clipped_sum_from_split`); a layer can
+    form the two columns with one product per record (``per_sample.parts.disjoint_groups``)."""
+    clipped = norms > clip
+    return torch.stack([(~clipped).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
+
+
+def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
+    """``[unclipped sum, direction sum]`` -> ``[clipped sum, direction sum]`` per parameter, in place: row 0 gains
+    ``C' x`` row 1 with ``C' = C_t (1 - 4u)`` rounded to the sums' dtype, so that a clipped record's share
+    ``C' fl(1 / N_i) g_i``, rounded twice more than the one division ``fl(C_t / N_i)`` of plain clipping, stays
+    below ``C_t / N_i`` times its gradient: the sensitivity ``C_t`` is kept with margin."""
+    for s in sums:
+        u = torch.finfo(s.dtype).eps / 2
+        # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
+        s[0].addcmul_(s[1], (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype))
+    return sums
+
+
 def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
     """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
     ``[n, 1]`` (docs/algorithms.md, "Quantile clipping"). Centring halves the sensitivity: adding or removing a record
     moves the sum by 1/2."""
     return ((norms <= clip).to(norms.dtype) - 0.5).unsqueeze(1)
-
-
-def oso_weights(norms: Tensor, clip: Tensor) -> Tensor:
-    """The two weight columns OSO needs, shape ``[n, 2]``.
-
-    Column 0 clips (eq. 4): ``gbar_i = g_i * min(1, C_t / ||g_i||)``.
-    Column 1 keeps the unit direction of the clipped samples only (eq. 11):
-    ``d_i = g_i / ||g_i||`` if ``||g_i|| > C_t`` else 0, so ``||d_i||`` is 0 or 1 and the sum has sensitivity 1.
-    """
-    # a zero gradient gets weight C/tiny (harmless, it multiplies zeros) instead of inf * 0 = nan
-    clip_weight = _ratio(clip, norms).clamp(max=1.0)
-    direction_weight = torch.where(norms > clip, _ratio(1.0, norms), torch.zeros_like(norms))
-    return torch.stack([clip_weight, direction_weight], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------- noise

@@ -90,3 +90,9 @@ def make_pur(accountant="prv", epsilon=2.0, n=120, **kwargs):
     constants = schedules.logistic_regression_constants(1.0, radius=5.0)
     schedule = schedules.logistic_schedule(constants, 4)
     return PURDP(schedule, constants.lipschitz, epsilon, 1 / n, accountant=accountant, seed=0, **kwargs), schedule
+
+
+def effective_weights(rule, weights):
+    """The weight of each record in each of a rule's released sums, ``[n, k]``: the rule's column weights put through
+    its ``queries`` (OSO's split columns -> the clipped and direction sums), the production code itself."""
+    return rule.queries([weights.t().clone()])[0].t()

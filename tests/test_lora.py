@@ -14,7 +14,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import make_trainer
+from helpers import effective_weights, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -111,7 +111,7 @@ def production(model: nn.Module, x: torch.Tensor, mode: str, clip: float):
         per_sample = source(hooks, params)
         norms = per_sample.norms()
         rule = OSOClipping(noise_multiplier=1.0, initial_clip=clip)
-        weights = rule.weights(norms)
+        weights = effective_weights(rule, rule.weights(norms))  # each record's weight in the two sums
         released = step.sanitise(per_sample, rule, 1.0, add_noise=lambda sums, stds: sums)
     finally:
         detach(hooks)
@@ -207,7 +207,9 @@ def test_sanitised_step_matches_hooks_and_one_sample_at_a_time_autograd():
     ordered = exact_norms.sort().values
     clip = float((ordered[1] * ordered[2]).sqrt())  # between two records' norms: some clipped, some not
     results = {mode: production(model, x, mode, clip) for mode in ("book_keeping", "hooks")}
-    reference_weights = OSOClipping(1.0, initial_clip=clip).weights(exact_norms.float())
+    # OSO's two weights by their formulas (eqs. 4 and 11): min(1, C / N), and 1 / N for a clipped record
+    clipped = exact_norms.float() > clip
+    reference_weights = torch.stack([(clip / exact_norms.float()).clamp(max=1), clipped / exact_norms.float()], dim=1)
     reference = reference_weights.double().t() @ exact  # [2, P]
     assert 0 < int((exact_norms > clip).sum()) < 5
     for mode, (norms, weights, released) in results.items():

@@ -327,3 +327,27 @@ def test_half_precision_layers_get_float32_norms_and_sums():
     sums = bk.weighted_sums(list(half.parameters()), torch.ones(5, 1))
     assert all(s.dtype == torch.float32 for s in sums)
     bk.remove()
+
+
+def test_split_sums_equal_the_two_column_product(monkeypatch):
+    """OSO's split columns (each record in one) formed column by column from each column's records equal the
+    one-product result, for a sequence Linear (with and without the split forced) and with empty columns."""
+    from lightning_oso.clipping import OSOClipping
+    from lightning_oso.per_sample import linear
+
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 16)
+    x = torch.randn(12, 5, 24) * torch.logspace(-2, 1, 12)[:, None, None]
+    for clip in (1e-6, 0.5, 1e6):  # every record clipped, some, none
+        results = {}
+        for threshold in (0, 2**62):
+            monkeypatch.setattr(linear, "_SPLIT_MIN_WORK", threshold)
+            bk = BookKeeping(layer, loss_reduction="sum")
+            out = layer(x)
+            (out * torch.linspace(-1, 1, 16)).sum().backward()
+            rule = OSOClipping(noise_multiplier=1.0, initial_clip=clip)
+            results[threshold] = bk.weighted_sums(list(layer.parameters()), rule.weights(bk.norms()))
+            bk.remove()
+            layer.zero_grad()
+        for split, dense in zip(results[0], results[2**62]):
+            torch.testing.assert_close(split, dense, rtol=1e-5, atol=1e-6)

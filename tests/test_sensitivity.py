@@ -25,13 +25,14 @@ from dataclasses import dataclass
 import lightning.pytorch as L
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import effective_weights, make_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import step
-from lightning_oso.per_sample import BookKeeping, per_sample_norms, weighted_sums
+from lightning_oso.clipping import OSOClipping
+from lightning_oso.per_sample import BookKeeping, linear, per_sample_norms, weighted_sums
 from lightning_oso.per_sample.parts import Instantiated
 
 CLIP = 0.5
@@ -205,11 +206,15 @@ def production(layer: nn.Module, x: torch.Tensor, v: torch.Tensor):
     bk = BookKeeping(layer, loss_reduction="sum")
     (layer(x) * v).sum().backward()
     norms = bk.norms()
-    weights = step.oso_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=CLIP)
+    split = rule.weights(norms)
+    weights = effective_weights(rule, split)  # each record's weight in the clipped and the direction sum
+    # a clipped record's share never exceeds plain clipping's min(1, C / N)
     clip_weights = step.clip_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
-    torch.testing.assert_close(weights[:, :1], clip_weights, rtol=0, atol=0, equal_nan=True)
+    finite = torch.isfinite(norms)
+    assert bool((weights[finite, :1] <= clip_weights[finite]).all())
     kinds = [type(part) for part in bk._compute().values()]
-    sums = bk.weighted_sums(list(layer.parameters()), weights)
+    sums = rule.queries(bk.weighted_sums(list(layer.parameters()), split))
     bk.remove()
     layer.zero_grad()
     return norms, weights, torch.cat([s.reshape(2, -1) for s in sums], dim=1), kinds
@@ -259,10 +264,20 @@ HAND_CRAFTED = [  # (scale of a, scale of b, d, extra)
 ]
 
 
+@pytest.fixture(params=["two_column", "split"])
+def sums_path(request, monkeypatch):
+    """OSO's sums of a Linear-like layer by one two-column product, or column by column from each column's records
+    (``per_sample.linear``'s split, forced here on layers too small to take it by themselves)."""
+    if request.param == "split":
+        monkeypatch.setattr(linear, "_SPLIT_MIN_WORK", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_cancelling_positions_cannot_hide_a_records_norm(case):
+def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path):
     """Hand-crafted near-cancelling records and a seeded random search over scales (1e-30..1e30 on ``a``, 1e-20..1e20
-    on ``b``), cancellation depths ``d`` and mixed-sign surroundings: no record moves the sums beyond the bound."""
+    on ``b``), cancellation depths ``d`` and mixed-sign surroundings: no record moves the sums beyond the bound, on
+    both ways of forming the sums."""
     g = torch.Generator().manual_seed(7)
     trials = [(*params, i) for i, params in enumerate(HAND_CRAFTED)]
     for i in range(12):
@@ -280,7 +295,7 @@ def test_cancelling_positions_cannot_hide_a_records_norm(case):
 
 
 @pytest.mark.parametrize("case", [BY_NAME["linear_bias"], BY_NAME["linear_instantiated"]], ids=lambda c: c.name)
-def test_bias_that_cancels_in_rounding(case):
+def test_bias_that_cancels_in_rounding(case, sums_path):
     """``[1e8 v, 1, -1e8 v]``: the float32 bias sum is 0, the true one has norm ``sqrt(d_out)``."""
     for big in (1e8, 1e12, 3e30):
         check(attack(case, bias_cancelling_record(case, big, seed=3)), f"{case.name} bias big={big:.0e}")
@@ -354,7 +369,6 @@ def test_hooks_path_norms_are_upper_bounds_and_finite():
     the released sums move by at most ``C`` and 1."""
     g = torch.Generator().manual_seed(2)
     benign = [torch.randn(5, 3, 4, generator=g), torch.randn(5, 6, generator=g)]
-    clip = torch.tensor(CLIP)
     for scale in (1e-30, 1e-20, 1.0, 1e20, 1e30, 1e37):
         extra = [torch.randn(1, 3, 4, generator=g) * scale, torch.randn(1, 6, generator=g) * scale]
         samples = [torch.cat([b, e]) for b, e in zip(benign, extra)]
@@ -362,10 +376,10 @@ def test_hooks_path_norms_are_upper_bounds_and_finite():
         exact = torch.cat([s.double().flatten(1) for s in samples], dim=1).norm(dim=1)
         assert torch.isfinite(norms).all(), f"scale {scale}: {norms.tolist()}"
         assert (norms.double() >= exact).all(), f"scale {scale}: {norms.tolist()} below {exact.tolist()}"
-        weights = step.oso_weights(norms, clip)
-        weights_without = step.oso_weights(per_sample_norms(benign), clip)
-        full = weighted_sums([s.double() for s in samples], weights.double())
-        without = weighted_sums([s.double() for s in benign], weights_without.double())
+        rule = OSOClipping(noise_multiplier=1.0, initial_clip=CLIP)
+        weights, weights_without = rule.weights(norms), rule.weights(per_sample_norms(benign))
+        full = rule.queries(weighted_sums([s.double() for s in samples], weights.double()))
+        without = rule.queries(weighted_sums([s.double() for s in benign], weights_without.double()))
         moves = torch.cat([(a - b).flatten(1) for a, b in zip(full, without)], dim=1).norm(dim=1)
         assert moves[0] <= CLIP * (1 + MARGIN) and moves[1] <= 1 + MARGIN
     # a norm beyond float32's range (finite entries near the maximum) has no finite float32 upper bound: inf, not NaN

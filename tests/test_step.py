@@ -41,8 +41,9 @@ def test_norms_match_loop():
 def test_clipped_and_direction_sums_match_brute_force(clip):
     samples = _grad_samples()
     n = samples[0].shape[0]
-    weights = step.oso_weights(per_sample_norms(samples), torch.tensor(clip, dtype=torch.float64))
-    sums = weighted_sums(samples, weights)
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=clip)
+    weights = rule.weights(per_sample_norms(samples))
+    sums = rule.queries(weighted_sums(samples, weights))  # the split columns made into OSO's two sums
     clipped, direction = torch.zeros_like(_flat(samples, 0)), torch.zeros_like(_flat(samples, 0))
     for i in range(n):  # the spec's formulas, one sample at a time
         g = _flat(samples, i)
@@ -66,8 +67,8 @@ def test_one_record_changes_noiseless_sums_by_at_most_clip_and_one():
         neighbour = [torch.cat([s, e]) for s, e in zip(base, extra)]
 
         def sums(samples):
-            w = step.oso_weights(per_sample_norms(samples), clip)
-            return weighted_sums(samples, w)
+            rule = OSOClipping(noise_multiplier=1.0, initial_clip=clip.item())
+            return rule.queries(weighted_sums(samples, rule.weights(per_sample_norms(samples))))
 
         a, b = sums(base), sums(neighbour)
         diff_clip = math.sqrt(sum(((x[0] - y[0]) ** 2).sum().item() for x, y in zip(a, b)))

@@ -180,6 +180,23 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     return nb.round_up(total.sqrt() * (1.0 + U64) * nb.F64, dtype)
 
 
+def disjoint_groups(weights: Tensor) -> list[Tensor] | None:
+    """The records of each weight column, ``[indices of column 0, ...]``, when every record has a nonzero weight in
+    at most one column (OSO's: clipped or not) and the weights are on the CPU; else ``None``.
+
+    A layer can then form column ``k``'s sum from its records alone, one product per record instead of one per
+    record and column. On the CPU the group sizes cost nothing to read; on a GPU reading them would stall the host
+    (the private step reads one flag per step), so the columns are formed together there.
+    """
+    if weights.device.type != "cpu" or weights.shape[1] < 2 or weights.shape[0] == 0:
+        return None
+    nonzero = weights != 0
+    if bool((nonzero.sum(dim=1) > 1).any()):
+        return None
+    column = nonzero.to(torch.int8).argmax(dim=1)  # a record with no nonzero weight goes to column 0 (weight 0)
+    return [torch.nonzero(column == k).squeeze(1) for k in range(weights.shape[1])]
+
+
 def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor]:
     """``sum_i weights[i, k] * g_i`` for every column ``k`` at once, per parameter: shape ``[k, *param.shape]``.
 
