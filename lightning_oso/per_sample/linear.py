@@ -177,7 +177,7 @@ class OuterProduct:
                 groups := disjoint_groups(weights)
             ):
                 # each record in one column only (OSO: clipped or not): one product per record, column by column
-                # (benchmarks/split_sums.py: 0.3-0.75x the time of the two-column product, where it is large enough)
+                # (benchmarks/split_sums.py: 0.36-0.92x the time of the two-column product, where it is large enough)
                 d_in, d_out = self.a.shape[2], self.b.shape[2]
                 flat = torch.stack(
                     [
