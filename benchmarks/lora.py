@@ -30,7 +30,6 @@ import json
 import platform
 import statistics
 import sys
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -41,8 +40,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import OSODP
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from dp_lora_gpt2 import VOCAB, StepTimer, gpt2, with_lora  # the example's model, so the figures are its
+from overhead import fit_quietly
 
 VARIANTS = ("non_private", "oso", "oso_hooks")
 #: name -> (n_embd, n_layer, n_head, tokens per record, LoRA targets)
@@ -84,21 +85,8 @@ def run(variant: str, model_name: str, batch_size: int, steps: int) -> float:
         callbacks.append(OSODP(**dp))
     elif variant == "oso_hooks":
         callbacks.append(OSODP(grad_sample_mode="hooks", **dp))
-    trainer = L.Trainer(
-        max_steps=steps + 1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(_Module(model), DataLoader(TensorDataset(data), batch_size=batch_size, shuffle=True))
+    loader = DataLoader(TensorDataset(data), batch_size=batch_size, shuffle=True)
+    fit_quietly(_Module(model), loader, "cpu", callbacks=callbacks, max_steps=steps + 1)
     return statistics.median(timer.times[1:])
 
 
