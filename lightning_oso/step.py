@@ -337,10 +337,13 @@ def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
     ``C' x`` row 1 with ``C' = C_t (1 - 4u)`` rounded to the sums' dtype, so that a clipped record's share
     ``C' fl(1 / N_i) g_i``, rounded twice more than the one division ``fl(C_t / N_i)`` of plain clipping, stays
     below ``C_t / N_i`` times its gradient: the sensitivity ``C_t`` is kept with margin."""
+    scales: dict[torch.dtype, Tensor] = {}  # one C' per dtype, not per parameter (this runs every micro-batch)
     for s in sums:
-        u = torch.finfo(s.dtype).eps / 2
-        # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
-        s[0].addcmul_(s[1], (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype))
+        if s.dtype not in scales:
+            u = torch.finfo(s.dtype).eps / 2
+            # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
+            scales[s.dtype] = (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype)
+        s[0].addcmul_(s[1], scales[s.dtype])
     return sums
 
 
