@@ -507,6 +507,8 @@ def write_report(result: dict, out: Path) -> None:
         "Memory: peak growth while training "
         f"({'CUDA peak allocated' if result['device'].startswith('cuda') else 'CPU RSS, one process per variant'}).",
         "",
+        *[f"Command: `{c}`" for c in result.get("commands") or [result.get("command")] if c],
+        "",
         "| model | batch | variant | precision | step (ms) | time ratio | memory (MB) | memory ratio |",
         "|---|---:|---|---|---:|---:|---:|---:|",
     ]
@@ -645,6 +647,85 @@ def _goals(rows: list[dict], device: str = "cpu") -> list[dict]:
     return goals
 
 
+#: steps dropped from each run's timing: the first steps of a fit (allocator, cuDNN autotuning, lazy set-up)
+WARMUP = 5
+
+
+def _rows_of(key: tuple, times: dict, failed: dict, memory: dict, verbose: bool = False) -> list[dict]:
+    """The rows of one (model, batch size, precision): each variant's median step, its ratio to its framework's
+    non-private step, and its peak memory where measured; a variant that failed there is "not supported"."""
+    m, b, p = key
+    medians = {
+        v: statistics.median(times[(m, b, p, v)])
+        for v in variants_of(m)
+        if (m, b, p, v) not in failed and times[(m, b, p, v)]
+    }
+    rows = []
+    for v in variants_of(m):
+        base = "non_private" if v in OURS else "torch_non_private"
+        row: dict[str, Any] = {"model": m, "batch_size": b, "variant": v, "precision": p}
+        if v not in medians:
+            row.update(median_ms=None, time_ratio=None, not_supported=failed.get((m, b, p, v), "not measured"))
+            rows.append(row)
+            if verbose:
+                print(f"{m:>14} B={b:<5} {p:<10} {v:<18} {row['not_supported']}", flush=True)
+            continue
+        row.update(
+            median_ms=1e3 * medians[v],
+            time_ratio=medians[v] / medians[base] if base in medians else None,
+            steps_timed=len(times[(m, b, p, v)]),
+        )
+        if memory:
+            row["memory_mb"] = memory[v]
+            base_mb = memory.get(base)
+            row["memory_ratio"] = memory[v] / base_mb if memory[v] is not None and base_mb else None
+        rows.append(row)
+        if verbose:
+            print(
+                f"{m:>14} B={b:<5} {p:<10} {v:<18} {row['median_ms']:9.2f} ms  {_cell(row['time_ratio'], 2):>6}x"
+                + (f"  {_cell(row['memory_mb'], 1):>8} MB  {_cell(row['memory_ratio'], 2):>5}x" if memory else ""),
+                flush=True,
+            )
+    return rows
+
+
+def _result(args: argparse.Namespace, rows: list[dict], calibration: list[dict], repeats: int) -> dict:
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    return {
+        "device": args.device if device_name == "cpu" else f"{args.device} ({device_name})",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "command": " ".join(["python", *sys.argv]),
+        "steps": args.steps - WARMUP,
+        "repeats": repeats,
+        "precisions": args.precision,
+        "rows": rows,
+        "goals": _goals(rows, args.device),
+        "calibration": calibration,
+    }
+
+
+def merge(paths: list[str], out: Path) -> dict:
+    """One report from several runs' JSON (e.g. one per precision, each within a machine's time limit): their rows
+    side by side, the goals checked again on all of them, the first run's calibration times. The runs' settings
+    (device, steps, repeats) must agree; each run's command is kept."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    for key in ("device", "steps", "repeats"):
+        values = {run[key] for run in runs}
+        if len(values) > 1:
+            raise SystemExit(f"--merge: the runs differ in {key} ({sorted(map(str, values))}); merge like with like")
+    rows = [row for run in runs for row in run["rows"]]
+    result = {
+        **{key: runs[0][key] for key in ("device", "machine", "steps", "repeats")},
+        "commands": [run.get("command") for run in runs],
+        "precisions": sorted({p for run in runs for p in run["precisions"]}, key=PRECISIONS.index),
+        "rows": rows,
+        "goals": _goals(rows, runs[0]["device"]),
+        "calibration": next((run["calibration"] for run in runs if run["calibration"]), []),
+    }
+    write_report(result, out)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(BENCHMARKED), choices=list(BENCHMARKED))
@@ -654,7 +735,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
-    parser.add_argument("--calibration-steps", nargs="+", type=int, default=[1000, 10_000, 100_000])
+    parser.add_argument("--calibration-steps", nargs="*", type=int, default=[1000, 10_000, 100_000])
     parser.add_argument(
         "--opacus-calibration-max-steps",
         type=int,
@@ -663,8 +744,14 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="batch 64 only, 12 steps, 2 repeats")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="no measuring: one report (--out) from these runs' JSON files"
+    )
     parser.add_argument("--_memory-probe", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, Path(args.out or "benchmarks/results/overhead_merged"))
+        return
     if args._memory_probe:
         variant, model, batch, steps, precision = args._memory_probe
         _memory_probe(variant, model, int(batch), int(steps), precision)
@@ -675,7 +762,7 @@ def main() -> None:
         args.batch_sizes, args.steps, args.repeats = [64], 12, 2
         args.calibration_steps, args.opacus_calibration_max_steps = [1000, 100_000], 1000
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    warmup = 5
+    out = Path(args.out or f"benchmarks/results/overhead_{args.device.split(':')[0]}")
     keys = [(m, b, p) for m in args.models for b in args.batch_sizes for p in args.precision]
     times = {(*key, v): [] for key in keys for v in variants_of(key[0])}
     failed: dict[tuple, str] = {}  # a variant that cannot run in a setting: not retried, reported as not supported
@@ -687,7 +774,7 @@ def main() -> None:
                 if (m, b, p, v) in failed:
                     continue
                 try:
-                    times[(m, b, p, v)] += run(v, m, b, args.steps, args.device, p)[warmup:]
+                    times[(m, b, p, v)] += run(v, m, b, args.steps, args.device, p)[WARMUP:]
                 except Exception as error:  # recorded, so that the rest of the table is still measured
                     failed[(m, b, p, v)] = not_supported(error)
                     traceback.print_exc(limit=-3)
@@ -695,54 +782,23 @@ def main() -> None:
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()  # what the failed run left cached (e.g. after running out of memory)
         print(f"repeat {repeat + 1}/{args.repeats} done after {time.perf_counter() - started:.0f} s", flush=True)
+        # the table so far (times only), so that a run stopped by a time limit still leaves its measurements
+        partial = [row for key in keys for row in _rows_of(key, times, failed, {})]
+        write_report(_result(args, partial, [], repeats=repeat + 1), out)
     rows = []
     for m, b, p in keys:
-        variants = variants_of(m)
-        medians = {v: statistics.median(times[(m, b, p, v)]) for v in variants if (m, b, p, v) not in failed}
+        medians = {v: statistics.median(times[(m, b, p, v)]) for v in variants_of(m) if (m, b, p, v) not in failed}
         memory: dict[str, float | None] = {}
         if not args.no_memory:
             memory = {v: peak_memory_mb(v, m, b, 8, args.device, p) for v in medians}
-        for v in variants:
-            base = "non_private" if v in OURS else "torch_non_private"
-            row: dict[str, Any] = {"model": m, "batch_size": b, "variant": v, "precision": p}
-            if v not in medians:
-                row.update(median_ms=None, time_ratio=None, not_supported=failed[(m, b, p, v)])
-                rows.append(row)
-                print(f"{m:>14} B={b:<5} {p:<10} {v:<18} {row['not_supported']}", flush=True)
-                continue
-            row.update(
-                median_ms=1e3 * medians[v],
-                time_ratio=medians[v] / medians[base] if base in medians else None,
-                steps_timed=len(times[(m, b, p, v)]),
-            )
-            if memory:
-                row["memory_mb"] = memory[v]
-                base_mb = memory.get(base)
-                row["memory_ratio"] = memory[v] / base_mb if memory[v] is not None and base_mb else None
-            rows.append(row)
-            print(
-                f"{m:>14} B={b:<5} {p:<10} {v:<18} {row['median_ms']:9.2f} ms  {_cell(row['time_ratio'], 2):>6}x"
-                + (f"  {_cell(row['memory_mb'], 1):>8} MB  {_cell(row['memory_ratio'], 2):>5}x" if memory else ""),
-                flush=True,
-            )
+        rows += _rows_of((m, b, p), times, failed, memory, verbose=True)
     calibration = calibration_times(args.calibration_steps, opacus_max_steps=args.opacus_calibration_max_steps)
     for c in calibration:
         print(
             f"calibration T={c['steps']:>6}: {c['seconds']:.2f} s (nu={c['noise_multiplier']:.4f})"
             + (f", Opacus {c['opacus_seconds']:.1f} s" if c.get("opacus_seconds") is not None else "")
         )
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    result = {
-        "device": args.device if device_name == "cpu" else f"{args.device} ({device_name})",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "steps": args.steps - warmup,
-        "repeats": args.repeats,
-        "precisions": args.precision,
-        "rows": rows,
-        "goals": _goals(rows, args.device),
-        "calibration": calibration,
-    }
-    out = Path(args.out or f"benchmarks/results/overhead_{args.device.split(':')[0]}")
+    result = _result(args, rows, calibration, repeats=args.repeats)
     write_report(result, out)
     for goal in result["goals"]:
         print(f"{ {True: 'met   ', False: 'MISSED', None: 'n/a   '}[goal['met']] } {goal['goal']}: {goal['value']}")

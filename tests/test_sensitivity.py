@@ -10,6 +10,11 @@ positions cancel after rounding, huge scales (up to the float32 maximum), tiny v
 kind of the fast path, found by a small seeded random search plus hand-crafted cases. A finite record must never
 get a non-finite norm (the strategy would refuse the step: a refusal that depends on the data).
 
+On a machine with a CUDA device the attacks also run there (the ``device`` fixture): once with IEEE float32 products
+and once with TF32 allowed for matrix products and convolutions (``torch.backends.cuda.matmul.allow_tf32``,
+``torch.backends.cudnn.allow_tf32``), the setting many users turn on and that the norm bounds must then cover. On a
+CPU-only machine (CI) those parameters are not generated, so nothing is skipped.
+
 Each record is ``(x, v)`` and its loss is ``sum(layer(x) * v)``: the layer's output gradient is ``v`` exactly, in
 float32 and float64 alike, so that the attacker controls both ``a`` and ``b`` of the layer and the true gradient is
 the exact one of the same float32 values.
@@ -200,8 +205,13 @@ def exact_grads(layer: nn.Module, x: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return torch.stack(rows)
 
 
-def production(layer: nn.Module, x: torch.Tensor, v: torch.Tensor):
-    """Norms and the released (noiseless) clipped and direction sums of the fast path, in float32."""
+def production(layer: nn.Module, x: torch.Tensor, v: torch.Tensor, device: str = "cpu"):
+    """Norms and the released (noiseless) clipped and direction sums of the fast path, in float32, computed on
+    ``device`` and returned on the CPU."""
+    if device != "cpu":
+        layer, x, v = copy.deepcopy(layer).to(device), x.to(device), v.to(device)
+        norms, weights, released, kinds = production(layer, x, v)
+        return norms.cpu(), weights.cpu(), released.cpu(), kinds
     layer.zero_grad()
     bk = BookKeeping(layer, loss_reduction="sum")
     (layer(x) * v).sum().backward()
@@ -229,13 +239,13 @@ class Outcome:
     released_move: float  # the released float32 clipped sum's move / C (rounding of the release included)
 
 
-def attack(case: Case, record) -> Outcome:
+def attack(case: Case, record, device: str = "cpu") -> Outcome:
     layer = _layer(case)
     xb, vb = _benign(case)
     x, v = record
     x_full, v_full = torch.cat([xb, x.unsqueeze(0).to(xb.dtype)]), torch.cat([vb, v.unsqueeze(0)])
-    norms, weights, released, _ = production(layer, x_full, v_full)
-    _, weights_without, released_without, _ = production(layer, xb, vb)
+    norms, weights, released, _ = production(layer, x_full, v_full, device)
+    _, weights_without, released_without, _ = production(layer, xb, vb, device)
     true = exact_grads(layer, x_full, v_full)
     assert torch.isfinite(true).all(), "the test's record must have a finite true gradient"
     moves = weights.double().t() @ true - weights_without.double().t() @ true[:-1]  # [2, P]: clipped, direction
@@ -264,6 +274,23 @@ HAND_CRAFTED = [  # (scale of a, scale of b, d, extra)
 ]
 
 
+#: where the attacks run: the CPU, and on a machine with a CUDA device also CUDA with IEEE float32 products and CUDA
+#: with TF32 allowed (parameters generated only where they can run: none is skipped on a CPU-only machine)
+DEVICES = ["cpu", *(["cuda", "cuda-tf32"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    """The device the production code runs on (``"cuda-tf32"``: CUDA, TF32 allowed in matmuls and convolutions)."""
+    if request.param == "cuda-tf32":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    elif request.param == "cuda":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    return request.param.split("-")[0]
+
+
 @pytest.fixture(params=["two_column", "split"])
 def sums_path(request, monkeypatch):
     """OSO's sums of a Linear-like layer by one two-column product, or column by column from each column's records
@@ -274,7 +301,7 @@ def sums_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path):
+def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path, device):
     """Hand-crafted near-cancelling records and a seeded random search over scales (1e-30..1e30 on ``a``, 1e-20..1e20
     on ``b``), cancellation depths ``d`` and mixed-sign surroundings: no record moves the sums beyond the bound, on
     both ways of forming the sums."""
@@ -288,22 +315,24 @@ def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path):
         trials.append((scale_a, scale_b, d, extra, 100 + i))
     worst = 0.0
     for scale_a, scale_b, d, extra, seed in trials:
-        outcome = attack(case, cancelling_record(case, scale_a, scale_b, d, seed, extra))
-        check(outcome, f"{case.name} a~{scale_a:.1e} b~{scale_b:.1e} d={d:.1e} {extra}")
+        outcome = attack(case, cancelling_record(case, scale_a, scale_b, d, seed, extra), device)
+        check(outcome, f"{device} {case.name} a~{scale_a:.1e} b~{scale_b:.1e} d={d:.1e} {extra}")
         worst = max(worst, outcome.clip_move)
     assert worst > 0.5  # the search reaches clipped records, where the bound is tight
 
 
 @pytest.mark.parametrize("case", [BY_NAME["linear_bias"], BY_NAME["linear_instantiated"]], ids=lambda c: c.name)
-def test_bias_that_cancels_in_rounding(case, sums_path):
+def test_bias_that_cancels_in_rounding(case, sums_path, device):
     """``[1e8 v, 1, -1e8 v]``: the float32 bias sum is 0, the true one has norm ``sqrt(d_out)``."""
     for big in (1e8, 1e12, 3e30):
-        check(attack(case, bias_cancelling_record(case, big, seed=3)), f"{case.name} bias big={big:.0e}")
+        check(
+            attack(case, bias_cancelling_record(case, big, seed=3), device), f"{device} {case.name} bias big={big:.0e}"
+        )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("scale", [1e20, 1e30, 1e36, "max"])
-def test_huge_finite_record_gets_a_finite_norm(case, scale):
+def test_huge_finite_record_gets_a_finite_norm(case, scale, device):
     """Values that overflow the float32 Gram products and squares (``1e20`` squared is beyond float32) but whose
     true gradient is well inside float32: a finite norm, still an upper bound, and the sums stay within the bound
     (and finite). ``"max"``: one input entry at the float32 maximum (output gradient ``1e-3``)."""
@@ -327,17 +356,17 @@ def test_huge_finite_record_gets_a_finite_norm(case, scale):
     xb, vb = _benign(case)
     x, v = record
     x_full, v_full = torch.cat([xb, x.unsqueeze(0).to(xb.dtype)]), torch.cat([vb, v.unsqueeze(0)])
-    norms, _, released, _ = production(layer, x_full, v_full)
-    assert torch.isfinite(norms).all(), f"{case.name}: norms {norms.tolist()}"
+    norms, _, released, _ = production(layer, x_full, v_full, device)
+    assert torch.isfinite(norms).all(), f"{device} {case.name}: norms {norms.tolist()}"
     assert torch.isfinite(released).all()
-    check(attack(case, record), f"{case.name} huge {scale}")
+    check(attack(case, record, device), f"{device} {case.name} huge {scale}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_tiny_record_norm_is_not_rounded_to_zero(case):
+def test_tiny_record_norm_is_not_rounded_to_zero(case, device):
     """Values whose squares underflow float32: the norm stays an upper bound (not 0)."""
     scale_a = 1.0 if case.normalised or case.integer_input else 1e-20
-    outcome = attack(case, cancelling_record(case, scale_a, 1e-25, 0.5, seed=5, extra="zeros"))
+    outcome = attack(case, cancelling_record(case, scale_a, 1e-25, 0.5, seed=5, extra="zeros"), device)
     assert outcome.true_norm > 0
     check(outcome, f"{case.name} tiny")
 
@@ -394,7 +423,7 @@ def test_hooks_path_non_finite_gradient_still_has_a_non_finite_norm():
         assert torch.isfinite(norms[[0, 2]]).all() and not torch.isfinite(norms[1])
 
 
-def test_fast_path_non_finite_gradient_still_has_a_non_finite_norm():
+def test_fast_path_non_finite_gradient_still_has_a_non_finite_norm(device):
     """A NaN/inf in a record's input or output gradient: a non-finite norm (the strategy refuses such a step)."""
     for case in CASES:
         for where in ("x", "v"):
@@ -403,7 +432,7 @@ def test_fast_path_non_finite_gradient_still_has_a_non_finite_norm():
             layer = _layer(case)
             x, v = _benign(case)
             (x if where == "x" else v).view(x.shape[0] if where == "x" else v.shape[0], -1)[2, 0] = math.nan
-            norms, *_ = production(layer, x, v)
+            norms, *_ = production(layer, x, v, device)
             assert not torch.isfinite(norms[2]), f"{case.name} NaN in {where}"
             assert torch.isfinite(norms[[0, 1, 3]]).all(), case.name
 
@@ -424,7 +453,7 @@ class SequenceModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _released_through_trainer(monkeypatch, x, v, mode):
+def _released_through_trainer(monkeypatch, x, v, mode, device="cpu"):
     """One OSO step with the noise switched off (a test-only hook, as in test_audit) and every record in the batch
     (a batch as large as the dataset samples at rate 1): the released sums, times the expected batch size."""
     from lightning_oso import OSODP
@@ -447,9 +476,10 @@ def _released_through_trainer(monkeypatch, x, v, mode):
     torch.manual_seed(0)
     module = SequenceModule()
     dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, initial_clip=CLIP, grad_sample_mode=mode)
-    make_trainer([dp], max_steps=1).fit(module, DataLoader(TensorDataset(x, v), batch_size=len(x)))
+    trainer = make_trainer([dp], max_steps=1, accelerator="gpu" if device == "cuda" else "cpu")
+    trainer.fit(module, DataLoader(TensorDataset(x, v), batch_size=len(x)))
     assert dp.steps == 1
-    return captured["sums"].double()
+    return captured["sums"].double().cpu()
 
 
 @pytest.mark.parametrize(
@@ -461,7 +491,9 @@ def _released_through_trainer(monkeypatch, x, v, mode):
         ("hooks", 1e30, 1e-10, 1e-4),
     ],
 )
-def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(monkeypatch, mode, scale_a, scale_b, d):
+def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(
+    monkeypatch, mode, scale_a, scale_b, d, device
+):
     """End to end: the released (noiseless) clipped and direction sums of a batch with and without the
     adversarial record differ by at most ``C`` and 1, up to the release's float32 rounding; the step is not refused
     (also for the huge records, whose Gram products, or per-sample gradients' squares, overflow float32)."""
@@ -469,8 +501,10 @@ def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(m
     g = torch.Generator().manual_seed(4)
     xb, vb = torch.randn(7, 4, 16, generator=g), torch.randn(7, 4, 24, generator=g)
     x, v = cancelling_record(case, scale_a, scale_b, d, seed=9, extra="small")
-    with_record = _released_through_trainer(monkeypatch, torch.cat([xb, x[None]]), torch.cat([vb, v[None]]), mode)
-    without = _released_through_trainer(monkeypatch, xb, vb, mode)
+    with_record = _released_through_trainer(
+        monkeypatch, torch.cat([xb, x[None]]), torch.cat([vb, v[None]]), mode, device
+    )
+    without = _released_through_trainer(monkeypatch, xb, vb, mode, device)
     assert torch.isfinite(with_record).all()
     moves = (with_record - without).norm(dim=1)
     assert moves[0] <= CLIP * (1 + 1e-3) and moves[1] <= 1 + 1e-3, moves.tolist()
