@@ -33,7 +33,7 @@ from lightning_oso.audit import AuditedModule, CanaryAudit
 def audit_once(epsilon: float, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     L.seed_everything(args.seed, verbose=False)
-    data = DigitsDataModule(batch_size=args.batch_size)
+    data = DigitsDataModule(batch_size=args.batch_size, validation_fraction=0.0)
     data.setup()
     audit = CanaryAudit(canaries=args.canaries, seed=args.seed)
     network = DigitsCNN().net  # the demo's architecture

@@ -72,7 +72,7 @@ class LinearProbe(L.LightningModule):
 
 
 def _data():
-    data = DigitsDataModule()
+    data = DigitsDataModule(validation_fraction=0.0)  # nothing is selected on held-out data
     data.setup()
     return data.train_set, data.test_set
 

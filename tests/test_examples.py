@@ -34,10 +34,28 @@ def test_digits_demo_smallest_setting(tmp_path):
     result = digits_oso.main(
         ["--epochs", "1", "--epsilon", "2.0", "--log-dir", str(tmp_path / "logs"), "--plot", str(plot)]
     )
-    assert result["epsilon"] <= 2.0 and result["steps"] == 23
-    assert 0.0 <= result["test_accuracy"] <= 1.0
+    assert result["epsilon"] <= 2.0 and result["steps"] == 20  # one epoch of 1257 records at batch 64
+    assert 0.0 <= result["test_accuracy"] <= 1.0 and 0.0 <= result["validation_accuracy"] <= 1.0
+    assert result["records"] == {"train": 1257, "validation": 180, "test": 360}
     assert plot.stat().st_size > 10_000
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_digits_demo_validates_on_its_own_split_and_keeps_the_test_set():
+    """The demo is watched on a validation split carved from its training 80%; the test 20% is the same records with
+    or without it, and the three splits are disjoint (checked on the images themselves)."""
+    train, val, test = digits_oso.digits_splits()
+    all_train, no_val, test_again = digits_oso.digits_splits(validation_fraction=0.0)
+    assert len(no_val) == 0 and torch.equal(test.tensors[0], test_again.tensors[0])
+    assert len(train) + len(val) == len(all_train)
+
+    def rows(dataset):
+        return {(*x.flatten().tolist(), int(y)) for x, y in zip(*dataset.tensors)}
+
+    assert rows(train) | rows(val) == rows(all_train)
+    assert not rows(val) & rows(test) and not rows(train) & rows(test)
+    # stratified: every class in the validation split
+    assert set(val.tensors[1].tolist()) == set(range(10))
 
 
 @pytest.mark.slow
