@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -360,6 +361,52 @@ class Unit:
     def runs(self) -> int:
         return len(candidates_for(self.method, self.k, self.gammas)) * len(self.seeds)
 
+    def identity(self) -> dict:
+        """Everything the search's result depends on, its DP randomness included: a cached result is reused only
+        for a unit whose identity is equal (the same command, so the same spawned seed)."""
+        fields = {
+            k: v for k, v in self.__dict__.items() if k not in ("dp_seed", "data_dir")
+        }  # data_dir: where files are, not what they are
+        seed = self.dp_seed
+        fields["dp_seed"] = None if seed is None else [str(seed.entropy), [int(x) for x in seed.spawn_key]]
+        return json.loads(json.dumps(fields, default=list))
+
+    def cache_name(self) -> str:
+        return f"{self.method}_eps{'inf' if self.epsilon is None else f'{self.epsilon:g}'}.json"
+
+
+def unit_seed(root: int, unit: Unit) -> np.random.SeedSequence:
+    """The root of one search's DP randomness: ``root`` keyed by the search's name (task, method, budget, training
+    size), so that each search has streams of its own, and the same ones whichever other searches a command runs
+    (adding a budget to a resumable protocol leaves the saved searches valid)."""
+    name = f"{unit.task}/{unit.method}/{unit.epsilon}/{unit.train_size}"
+    return np.random.SeedSequence(root, spawn_key=(zlib.crc32(name.encode()),))
+
+
+def cached_result(unit: Unit, cache_dir: Path) -> dict | None:
+    """The result of ``unit`` saved by an earlier invocation of the same command (``--resume``), or None."""
+    path = cache_dir / unit.cache_name()
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["result"] if saved.get("unit") == unit.identity() else None
+
+
+def save_result(unit: Unit, result: dict, cache_dir: Path, argv: list[str]) -> None:
+    """One finished search, written as soon as it finishes, so that an interrupted command loses only the searches
+    that were running. Written to a temporary file first: a kill never leaves half a result."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / unit.cache_name()
+    record = {
+        "unit": unit.identity(),
+        "command": argv,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "result": result,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=float))
+    tmp.replace(path)
+
 
 def run_unit(unit: Unit, progress: bool = False) -> dict:
     torch.set_num_threads(1)
@@ -462,7 +509,8 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
     task = TASKS[task_name]
     mine = [r for r in results if r["task"] == task_name]
     by = {(r["method"], r["epsilon"]): r for r in mine}
-    epsilons = sorted({r["epsilon"] for r in mine if r["epsilon"] is not None})
+    requested = args.epsilons if set(args.methods) - {"NoDP"} else []
+    epsilons = sorted({*requested, *(r["epsilon"] for r in mine if r["epsilon"] is not None)})
     nodp = by.get(("NoDP", None))
     unit = "test accuracy (%)" if task.metric == "accuracy" else "test MSE"
     better = "higher" if task.mode == "max" else "lower"
@@ -509,7 +557,21 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
         f"choice of checkpoint and winner on un-noised validation scores.",
     ]
     lines += [f"Refused: {text}" for text in refused]
-    lines.append(f"Command: `python examples/compare_methods.py {' '.join(args.argv)}` ({elapsed / 60:.0f} min).")
+    command = f"`python examples/compare_methods.py {' '.join(args.argv)}`"
+    if args.resume:
+        # the searches may come from several invocations of this one command: their own compute time is summed
+        minutes = sum(r.get("seconds", 0.0) for r in mine) / 60
+        missing = [f"{m} ε={e:g}" for e in epsilons for m in args.methods if m != "NoDP" and (m, e) not in by]
+        missing += [] if nodp or "NoDP" not in args.methods else ["NoDP"]
+        lines.append(
+            f"Command: {command}, resumable: each search's result is saved under "
+            f"`{output_stem(task_name, args)}.units/` when it finishes, and the same command skips those already "
+            f"there ({minutes:.0f} min of search time, one core per search, summed over invocations)."
+        )
+        if missing:
+            lines.append(f"Not yet run (shown as -): {', '.join(missing)}.")
+    else:
+        lines.append(f"Command: {command} ({elapsed / 60:.0f} min).")
     stem = out_dir / output_stem(task_name, args)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     summary = {
@@ -600,6 +662,17 @@ def parse_args(argv):
     )
     parser.add_argument("--out", default="docs/compare")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="save each search's result under <out>/<task>_k<k>.units/ as it finishes and skip the searches already "
+        "saved by the same command (a protocol too long for one sitting: run the same command again)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="with --resume: run nothing, write the tables from the searches saved so far (- for the others)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a few minutes on 2 cores: k=3, epsilon 4, 2 seeds, 3 epochs, gammas 0.1 0.5 0.9 "
@@ -615,8 +688,12 @@ def parse_args(argv):
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.train_size is not None and (set(args.tasks) != {"mnist-5k"} or not 10 <= args.train_size <= 3500):
         parser.error("--train-size must be from 10 to 3500, with --tasks mnist-5k alone")
+    if args.report_only and not args.resume:
+        parser.error("--report-only reads the searches saved by --resume: give both")
     args.seed_list = list(range(args.seeds))
     args.gammas = tuple(args.gammas)
+    # the command as recorded in the results: --report-only is how a table was written, not how it was computed
+    args.argv = [a for a in args.argv if a != "--report-only"]
     return args
 
 
@@ -644,16 +721,30 @@ def main(argv: list[str] | None = None) -> dict:
                         args.train_size,
                     )
                 )
-    for unit, child in zip(units, np.random.SeedSequence(args.dp_seed).spawn(len(units))):
-        unit.dp_seed = child
-    units.sort(key=lambda u: -u.runs)  # the largest searches first: better packing over the jobs
+    for unit in units:
+        unit.dp_seed = unit_seed(args.dp_seed, unit)
+    # the smallest budgets first (a resumable protocol then completes whole rows of the table early), and within
+    # one budget the largest searches first: better packing over the jobs
+    units.sort(key=lambda u: (u.epsilon if u.epsilon is not None else 0.0, -u.runs))
+    results = []
+    if args.resume:
+        for unit in list(units):
+            cache_dir = out_dir / f"{output_stem(unit.task, args)}.units"
+            if (saved := cached_result(unit, cache_dir)) is not None:
+                results.append(saved)
+                units.remove(unit)
+        print(f"--resume: {len(results)} searches saved by an earlier run of this command", flush=True)
+    if args.report_only:
+        units = []
     total_runs = sum(u.runs for u in units)
     print(f"{len(units)} searches, {total_runs} training runs, {args.jobs} job(s)", flush=True)
     started = time.time()
-    results, done_runs = [], 0
+    done_runs = 0
 
     def report(unit: Unit, result: dict) -> None:
         nonlocal done_runs
+        if args.resume:
+            save_result(unit, result, out_dir / f"{output_stem(unit.task, args)}.units", args.argv)
         done_runs += unit.runs
         elapsed = time.time() - started
         eta = elapsed / done_runs * (total_runs - done_runs)
