@@ -48,7 +48,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import numpy as np
 import torch
-from digits_oso import DigitsCNN
+from digits_oso import DigitsCNN, digits_splits
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -74,20 +74,6 @@ class Task:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     make_metric: Callable[[], Metric]  # a fresh score metric (torchmetrics), accumulated over a whole split
     autoencoder: bool = False
-
-
-def digits_splits(seed: int = 0):
-    """Digits split 70/10/20 into train / validation / test (stratified, fixed seed)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-    y = torch.tensor(digits.target, dtype=torch.long)
-    idx = np.arange(len(y))
-    rest, test = train_test_split(idx, test_size=0.2, stratify=digits.target, random_state=seed)
-    train, val = train_test_split(rest, test_size=0.125, stratify=digits.target[rest], random_state=seed)
-    return [TensorDataset(x[i], y[i]) for i in (train, val, test)]
 
 
 def digits_cnn() -> nn.Module:
