@@ -15,6 +15,7 @@ import compare_methods
 import digits_oso
 import dp_lora_gpt2
 import linear_scaling
+import mnist_vs_paper
 import pur_schedules
 
 from lightning_oso import compute_epsilon
@@ -246,3 +247,45 @@ def test_dp_lora_example_quick(tmp_path):
     loss = module.training_step((torch.zeros(0, 16, dtype=torch.long),), 0)
     loss.backward()
     assert loss.item() == 0 and all(p.grad.abs().max() == 0 for p in module.parameters() if p.requires_grad)
+
+
+def _fake_comparison(path, accuracies, train_size=None):
+    """A results file in compare_methods' layout: ``accuracies[(method, epsilon)] = accuracy`` (a fraction)."""
+    results = [
+        {"method": m, "epsilon": e, "test_mean": a, "test_std": 0.01, "winner": {"lr": 0.1}}
+        for (m, e), a in accuracies.items()
+    ]
+    results.append({"method": "FixedQuantile", "epsilon": 5.0, "refused": "the count alone would spend the budget"})
+    summary = {
+        "task": "mnist-5k",
+        "k": 5,
+        "epochs": 3,
+        "batch_size": 30,
+        "delta": 1e-5,
+        "seeds": [0],
+        "results": results,
+    }
+    if train_size:
+        summary["train_size"] = train_size
+    path.write_text(json.dumps(summary))
+
+
+def test_mnist_beside_the_paper(tmp_path):
+    """The side-by-side report: our cells and the paper's typed-in Table 11, Online's lead over the best other
+    method in each, "-" where a search is missing or was refused, and the N-scaling leads at one budget."""
+    ours = {("Online", 3.0): 0.80, ("FixedThreshold", 3.0): 0.75, ("FixedQuantile", 3.0): 0.70}
+    ours |= {("DPAdamWOSM", 3.0): 0.78, ("Online", 5.0): 0.85, ("NoDP", None): 0.95}
+    _fake_comparison(tmp_path / "mnist-5k_k5.json", ours)
+    _fake_comparison(tmp_path / "mnist-5k_k5_n1000.json", {(m, 3.0): a for (m, e), a in ours.items() if e == 3.0})
+    result = mnist_vs_paper.main(["--dir", str(tmp_path), "--scaling-epsilon", "3", "--scaling-sizes", "1000", "3500"])
+    row3, row5 = result["rows"][0], result["rows"][1]
+    assert row3["online_lead_ours"] == pytest.approx(80 - 78)
+    assert row3["online_lead_paper"] == pytest.approx(91.19 - 91.27)  # Table 11: Online and DPAdamWOSM tie at 3
+    assert row5["online_lead_ours"] is None and "FixedQuantile" not in row5["ours"]  # refused: no cell
+    assert [p["online_lead"] for p in result["scaling"]] == [pytest.approx(2.0), pytest.approx(2.0)]
+    table = (tmp_path / "mnist-5k_vs_paper_k5.md").read_text()
+    assert "| 3 | 80.0 ± 1.0 | 91.2 ± 0.5 | 75.0 ± 1.0 | 89.2 ± 0.4 |" in table
+    assert "| 5 | 85.0 ± 1.0 | 91.7 ± 0.5 | - | 90.9 ± 0.5 |" in table
+    assert "Non-private, ours: 95.0 ± 1.0" in table
+    assert (tmp_path / "mnist-5k_vs_paper_k5.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "mnist-5k_vs_paper_k5.json").read_text())["k"] == 5
