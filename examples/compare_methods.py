@@ -348,8 +348,9 @@ class Unit:
         return len(candidates_for(self.method, self.k, self.gammas)) * len(self.seeds)
 
     def identity(self) -> dict:
-        """Everything the search's result depends on, its DP randomness included: a cached result is reused only
-        for a unit whose identity is equal (the same command, so the same spawned seed)."""
+        """Everything the search's result depends on, its DP randomness included: a saved result is reused only
+        for a unit whose identity is equal (the same settings and the same ``--dp-seed``). The code is not part of
+        it: after changing the library or this script, delete the ``.units`` folder."""
         fields = {
             k: v for k, v in self.__dict__.items() if k not in ("dp_seed", "data_dir")
         }  # data_dir: where files are, not what they are
@@ -651,7 +652,8 @@ def parse_args(argv):
         "--resume",
         action="store_true",
         help="save each search's result under <out>/<task>_k<k>.units/ as it finishes and skip the searches already "
-        "saved by the same command (a protocol too long for one sitting: run the same command again)",
+        "saved by the same command (a protocol too long for one sitting: run the same command again; after a code "
+        "change, delete that folder)",
     )
     parser.add_argument(
         "--report-only",
