@@ -55,7 +55,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanSquaredError, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_oso import OSODP, DPAdamWOSM, FixedQuantileDP, FixedThresholdDP, PrivacyConfigurationError
+from lightning_oso import (
+    OSODP,
+    DPAdamWOSM,
+    FixedQuantileDP,
+    FixedThresholdDP,
+    PrivacyConfigurationError,
+    PrivateStepRefused,
+)
 from lightning_oso.search import HonestGridSearch, grid, log_grid
 
 METHODS = ("Online", "FixedThreshold", "FixedQuantile", "DPAdamWOSM")
@@ -288,11 +295,18 @@ def train_once(
         num_sanity_val_steps=0,
         callbacks=[best] + ([callback] if callback is not None else []),
     )
-    trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=512))
+    refused_at = None
+    try:
+        trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=512))
+    except PrivateStepRefused:
+        # a candidate that diverged (a learning rate too large for it): the private step refused a non-finite
+        # per-sample gradient and stopped training, as the library does for a user. The run ends there, with its
+        # best checkpoint so far; the search goes on (one diverging candidate used to abort the whole protocol)
+        refused_at = trainer.global_step
     if best.state is None:  # diverged from the start: every validation was NaN (a NaN score never wins)
-        return {"score": math.nan, "test": math.nan, "best_step": None}
+        return {"score": math.nan, "test": math.nan, "best_step": None, "refused_at": refused_at}
     model.load_state_dict(best.state)
-    return {"score": best.best, "test": evaluate(model, test), "best_step": best.step}
+    return {"score": best.best, "test": evaluate(model, test), "best_step": best.step, "refused_at": refused_at}
 
 
 # ----------------------------------------------------------------------------------------------------- grids

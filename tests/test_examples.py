@@ -289,3 +289,16 @@ def test_mnist_beside_the_paper(tmp_path):
     assert "Non-private, ours: 95.0 ± 1.0" in table
     assert (tmp_path / "mnist-5k_vs_paper_k5.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "mnist-5k_vs_paper_k5.json").read_text())["k"] == 5
+
+
+def test_a_diverging_candidate_ends_its_run_not_the_comparison():
+    """A learning rate far too large sends the weights to inf: the private step refuses the non-finite per-sample
+    gradients and stops training. In the comparison that ends the one run (its best checkpoint so far, or NaN),
+    instead of aborting the whole protocol as it once did an hour into the digits table."""
+    from lightning_oso import FixedThresholdDP
+
+    dp = FixedThresholdDP(clip=1.0, target_epsilon=8.0, target_delta=1e-5, noise_multiplier=1.0, seed=0)
+    task = compare_methods.TASKS["digits"]
+    run = compare_methods.train_once(task, digits_oso.digits_splits(), 64, 3, 1e30, seed=0, callback=dp)
+    assert run["refused_at"] is not None and run["refused_at"] < 3 * 20
+    assert math.isnan(run["score"]) or 0.0 <= run["score"] <= 1.0
