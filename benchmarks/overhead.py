@@ -787,10 +787,10 @@ def main() -> None:
         write_report(_result(args, partial, [], repeats=repeat + 1), out)
     rows = []
     for m, b, p in keys:
-        medians = {v: statistics.median(times[(m, b, p, v)]) for v in variants_of(m) if (m, b, p, v) not in failed}
+        ran = [v for v in variants_of(m) if (m, b, p, v) not in failed]
         memory: dict[str, float | None] = {}
         if not args.no_memory:
-            memory = {v: peak_memory_mb(v, m, b, 8, args.device, p) for v in medians}
+            memory = {v: peak_memory_mb(v, m, b, 8, args.device, p) for v in ran}
         rows += _rows_of((m, b, p), times, failed, memory, verbose=True)
     calibration = calibration_times(args.calibration_steps, opacus_max_steps=args.opacus_calibration_max_steps)
     for c in calibration:
