@@ -291,6 +291,22 @@ def test_mnist_beside_the_paper(tmp_path):
     assert json.loads((tmp_path / "mnist-5k_vs_paper_k5.json").read_text())["k"] == 5
 
 
+def test_the_n_scaling_lead_compares_the_same_opponents_at_every_size(tmp_path):
+    """A smaller point that ran only Online and DPAdamWOSM: every size's lead is then taken over DPAdamWOSM alone,
+    also at 3,500 where FixedThreshold is better, so the lead's trend is not an artefact of who ran."""
+    full = {("Online", 3.0): 0.80, ("FixedThreshold", 3.0): 0.85, ("FixedQuantile", 3.0): 0.70}
+    full |= {("DPAdamWOSM", 3.0): 0.78}
+    _fake_comparison(tmp_path / "mnist-5k_k5.json", full)
+    _fake_comparison(tmp_path / "mnist-5k_k5_n1000.json", {("Online", 3.0): 0.50, ("DPAdamWOSM", 3.0): 0.60}, 1000)
+    result = mnist_vs_paper.main(["--dir", str(tmp_path), "--scaling-epsilon", "3", "--scaling-sizes", "1000", "3500"])
+    assert result["rows"][0]["online_lead_ours"] == pytest.approx(80 - 85)  # the full table: all opponents
+    assert result["scaling_lead_over"] == ["DPAdamWOSM"]
+    assert [p["online_lead"] for p in result["scaling"]] == [pytest.approx(50 - 60), pytest.approx(80 - 78)]
+    table = (tmp_path / "mnist-5k_vs_paper_k5.md").read_text()
+    assert "| 1000 | 50.0 ± 1.0 | - | - | 60.0 ± 1.0 | -10.0 |" in table
+    assert "methods run at every size (DPAdamWOSM)" in table
+
+
 def test_a_diverging_candidate_ends_its_run_not_the_comparison():
     """A learning rate far too large sends the weights to inf: the private step refuses the non-finite per-sample
     gradients and stops training. In the comparison that ends the one run (its best checkpoint so far, or NaN),
