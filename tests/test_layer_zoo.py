@@ -90,7 +90,7 @@ class Bag(nn.Module):
 
     def forward(self, idx):
         lengths = (idx % 4)[:, 0]  # 0-3 tokens a bag, from the record's own first index
-        tokens = torch.cat([row[:k] for row, k in zip(idx, lengths)])
+        tokens = torch.cat([idx.new_zeros(0), *(row[:k] for row, k in zip(idx, lengths))])
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         offsets = offsets if self.include_last else offsets[:-1]
         weights = (tokens.float() - 5) / 3 if self.bag.mode == "sum" else None
@@ -207,6 +207,29 @@ def test_fast_path_equals_one_record_at_a_time(name, frozen):
     weights = torch.rand(N, 2, generator=g)
     for s, r in zip(bk.weighted_sums(params, weights), weighted_sums(reference, weights)):
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
+    bk.remove()
+
+
+# torch's own InstanceNorm cannot run a batch of zero records
+EMPTY_BATCH_ZOO = [name for name in ZOO if not name.startswith("instancenorm")]
+
+
+@pytest.mark.parametrize("name", EMPTY_BATCH_ZOO)
+def test_an_empty_batch_has_no_norms_and_zero_sums(name):
+    """A Poisson batch may be empty: every layer kind's rule (fast path and fallback) must give zero records' norms
+    and all-zero weighted sums, never crash (a convolution once asked for zero groups)."""
+    make, data = ZOO[name]
+    torch.manual_seed(0)
+    model = make()
+    x = data(torch.Generator().manual_seed(0))[:0]
+    bk = BookKeeping(model, loss_reduction="sum")
+    out = model(x)
+    out.square().sum().backward()
+    assert bk.norms().shape == (0,)
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    sums = bk.weighted_sums(params, torch.zeros(0, 2))
+    assert [tuple(s.shape) for s in sums] == [(2, *p.shape) for p in params]
+    assert all(not s.to_dense().any() for s in sums)
     bk.remove()
 
 

@@ -93,15 +93,20 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
         source, target = (g, x) if transposed else (x, g)  # the convolution's input and output gradient
         depth += math.prod(target.shape[2:])
         depth_bias += math.prod(g.shape[2:])
-        per_sample = _WEIGHT_GRAD[dims](
-            source.reshape(1, n * source.shape[1], *source.shape[2:]),
-            (n * weight_shape[0], *weight_shape[1:]),
-            target.reshape(1, n * target.shape[1], *target.shape[2:]),
-            stride=stride,
-            padding=padding,
-            dilation=dilation,
-            groups=n * layer.groups,
-        )
+        if n == 0:
+            # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
+            # groups, which the convolution refuses; no record, so no per-sample gradient
+            per_sample = g.new_zeros(0, *weight_shape)
+        else:
+            per_sample = _WEIGHT_GRAD[dims](
+                source.reshape(1, n * source.shape[1], *source.shape[2:]),
+                (n * weight_shape[0], *weight_shape[1:]),
+                target.reshape(1, n * target.shape[1], *target.shape[2:]),
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                groups=n * layer.groups,
+            )
         accumulate(grads, layer.weight, per_sample.reshape(n, *weight_shape))
         if layer.bias is not None:
             accumulate(grads, layer.bias, g.sum(dim=tuple(range(2, g.dim()))))
