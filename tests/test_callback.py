@@ -79,7 +79,7 @@ def test_empty_batches_train_and_are_accounted(fit_toy):
 
 
 @pytest.mark.parametrize("grad_sample_mode", ["book_keeping", "hooks"])
-def test_empty_batches_train_every_layer_kind_on_both_paths(grad_sample_mode):
+def test_empty_batches_train_conv_norm_and_embedding_layers_on_both_paths(grad_sample_mode):
     """An empty Poisson batch (probability e^-B per step: at B = 9 over 333 steps, a few in every 50 runs) reaches
     each layer's per-sample rule with zero records. A convolution once made that zero groups and crashed the run;
     now the step is pure noise, on both gradient paths, for convolutions, normalisation and embeddings alike."""
