@@ -89,11 +89,20 @@ class ClippingRule:
         """``C_t nu_g``: the clipped sum has sensitivity ``C_t``."""
         return (self.clip * self.gradient_noise_multiplier).reshape(1)
 
+    def query_multipliers(self) -> list[float]:
+        """Each row's noise multiplier (its noise std over its sensitivity, a host float): the exact release widens
+        each row's noise by its grid's rounding at this multiplier (``exact_noise.grid_noise_std``)."""
+        return [self.gradient_noise_multiplier]
+
     def scalar_queries(self, norms: Tensor) -> Tensor | None:
         return None
 
     def scalar_noise_stds(self) -> Tensor | None:
         return None
+
+    def scalar_query_multipliers(self) -> list[float]:
+        """Each scalar query's noise multiplier (std over sensitivity)."""
+        return []
 
     def update(self, released: SanitisedStep) -> Tensor | None:
         """Post-processing of the step's released queries after the parameter update; returns a learning-rate
@@ -172,6 +181,9 @@ class FixedQuantileClipping(ClippingRule):
 
     def scalar_noise_stds(self) -> Tensor:
         return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)
+
+    def scalar_query_multipliers(self) -> list[float]:
+        return [2.0 * self.count_noise_std]  # the centred count has sensitivity 1/2
 
     def update(self, released: SanitisedStep) -> None:
         if released.scalars is None:
@@ -312,6 +324,9 @@ class OSOClipping(ClippingRule):
     def queries(self, sums: list[Tensor]) -> list[Tensor]:
         """The clipped sum (eq. 4) and the direction sum (eq. 11) from the split columns."""
         return step.clipped_sum_from_split(sums, self.clip)
+
+    def query_multipliers(self) -> list[float]:
+        return [self.gradient_noise_multiplier, self.direction_noise_multiplier]
 
     def noise_stds(self) -> Tensor:
         """``C_t nu_g`` (sensitivity ``C_t``) and ``nu_q`` (sensitivity 1)."""

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_oso.exact_noise import Words, torch_words
 from lightning_oso.validation import check_bool, check_int
 
 #: The purposes a stream serves (the second entry of its spawn key). ``DIRECTION``: the fresh draw that materialises
@@ -81,6 +82,11 @@ class SecureRandom:
         """Uniform draws in the open interval (0, 1), 53 random bits each."""
         count = math.prod(shape)
         return torch.from_numpy(self._uniform_open(count)).reshape(shape).to(device=device, dtype=dtype)
+
+    def words(self, count: int, device: torch.device | str = "cpu") -> Tensor:
+        """``count`` int64 words of 62 uniform bits each (the exact sampler's random bits, ``exact_noise``)."""
+        bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(2)
+        return torch.from_numpy(bits.astype(np.int64)).to(device)
 
     def normal(
         self,
@@ -224,6 +230,13 @@ def standard_normal_like(like: Tensor, generator: Generator | None) -> Tensor:
     if isinstance(generator, SecureRandom):
         return generator.normal(like.shape, device=like.device, dtype=like.dtype)
     return torch.empty_like(like).normal_(generator=generator)  # on like's device; normal_ beats randn on CPU
+
+
+def words_of(generator: Generator | None) -> Words:
+    """The exact sampler's source of uniform 62-bit words (``exact_noise.Words``) from ``generator``."""
+    if isinstance(generator, SecureRandom):
+        return generator.words
+    return torch_words(generator)
 
 
 def uniform(count: int, generator: Generator | None) -> Tensor:

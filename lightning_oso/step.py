@@ -1,6 +1,6 @@
 """One private step, as named stages on tensors (docs/algorithms.md, "OSO-DPSGD", steps 2-4):
 
-    norms -> weights -> weighted sums | add noise -> reduce across processes -> scale
+    norms -> weights -> weighted sums | reduce across processes -> release on the grid with exact noise -> scale
 
 :func:`sanitise` runs the stages in this order and returns a :class:`SanitisedStep`. It is the one path, in two
 parts: :func:`clip_and_sum` (the stages before the bar, on one batch or micro-batch, adding into a
@@ -11,17 +11,19 @@ micro-batches of one logical Poisson batch are added up before the one release (
 private"). The tests call them too. The clipping rule (``lightning_oso.clipping``) says which weights the norms give
 and how much noise each query gets; the weight functions it uses are the ones below.
 
-What depends on the run comes in as small callables: the noise (drawn by rank 0 only, from a stream keyed on the
-ledger's executed-step counter), the sum across processes, the ledger's write-ahead record, and the refusal message.
+What depends on the run comes in as small callables: the noise (the same draw on every process, from a stream keyed
+on the ledger's executed-step counter), the sum across processes and the ledger's write-ahead record.
+
+The release is exact (docs/algorithms.md, "The exact release"): each query's raw sum, added up over the processes in
+float64, is rounded onto a power-of-two grid fixed by the noise's standard deviation alone, and discrete Gaussian
+integers are added (``exact_noise``). The released value is the integer times the grid step; everything after it
+(the division by ``B``, the cast to the parameters' dtype, the optimizer, the rule's update, checkpoints) is
+post-processing, and nothing computed before it leaves the step.
 
 A rule may declare its last rows *deferred* (``ClippingRule.DEFERRED_ROWS``; OSO's direction query): such a row is
-read by the rule only through one inner product with a later, independent vector, so it gets one scalar Gaussian
-draw instead of a model-sized one and is returned as a :class:`DeferredQuery`, which never releases its raw sum
+read by the rule only through one inner product with a later, independent vector, so it gets one integer draw
+instead of a model-sized one and is returned as a :class:`DeferredQuery`, which never releases its raw sum
 (docs/algorithms.md, "OSO-DPSGD", "One Gaussian draw per step").
-
-Every stage stays on the device of its inputs and reads nothing back to the host but one flag: whether a per-sample
-norm was non-finite, read after the sums and the noise are queued (on a GPU the device keeps working while the host
-waits). Such a step is refused on every process alike, before anything of it is released.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 from torch import Tensor
 
+from lightning_oso import exact_noise
 from lightning_oso.errors import PrivateStepRefused
 from lightning_oso.per_sample.parts import sum_dtype
-from lightning_oso.randomness import SecureRandom, standard_normal_like
+from lightning_oso.randomness import SecureRandom, words_of
 
 if TYPE_CHECKING:
     from lightning_oso.clipping import ClippingRule
     from lightning_oso.per_sample import PerSampleSource
 
-#: ``(sums, stds) -> noisy sums``: Gaussian noise ``N(0, stds[k]^2)`` on row ``k`` of every sum.
+#: ``(sums, stds) -> released sums``: row ``k`` of every sum on the grid of ``stds[k]`` plus exact discrete Gaussian
+#: noise of standard deviation ``stds[k]`` (float64); the same on every process.
 AddNoise = Callable[[list[Tensor], Tensor], list[Tensor]]
 #: ``tensors -> their sums over all processes`` (in place, same order).
 Reduce = Callable[[list[Tensor]], list[Tensor]]
@@ -50,24 +54,34 @@ Refuse = Callable[[int, int], NoReturn]
 
 
 class DeferredQuery:
-    """A vector query ``q~ = (S + Z) / B`` with ``Z ~ N(0, std^2 I)``, read through one inner product ``v . q~`` with a
-    vector ``v`` that does not depend on ``Z`` (OSO's direction query, read as ``g~_{t+1} . q~_t``; docs/algorithms.md,
+    """A vector query ``q~ = (S + Z) / B`` of sensitivity 1, read through one inner product ``v . q~`` with a vector
+    ``v`` that does not depend on ``Z`` (OSO's direction query, read as ``g~_{t+1} . q~_t``; docs/algorithms.md,
     "OSO-DPSGD", "One Gaussian draw per step").
 
-    For such a ``v``, ``v . Z`` is distributed as ``||v|| z`` with one scalar ``z ~ N(0, std^2)``. The query keeps the
-    raw ``S / B`` and ``z / B`` (drawn with the step's noise, by rank 0, summed across processes like the sums) instead
-    of a model-sized ``Z``: :meth:`inner` returns ``v . S / B + ||v|| z / B``, which has the distribution of
-    ``v . q~``, jointly with everything else the run releases. :meth:`materialise` instead returns ``q~`` itself, with
-    a fresh model-sized ``Z`` (the mechanism as written), for what leaves the process (a checkpoint).
+    For such a ``v``, ``v . q~ = ||v|| (u . S + u . Z) / B`` with the unit vector ``u = v / ||v||``, and ``u . Z`` is
+    one Gaussian of the same standard deviation as each coordinate of ``Z``. :meth:`inner` releases exactly that: the
+    projection ``u . S`` (sensitivity at most 1, since each record's direction has norm at most 1) on its grid with one
+    integer of discrete Gaussian noise, drawn with the step's noise (``noise``, the release of 0), and returns ``||v||``
+    times it over ``B``. :meth:`materialise` instead releases ``q~`` itself, each coordinate on the grid with a fresh
+    integer draw (the mechanism as written), for what leaves the process (a checkpoint).
 
-    Either may be asked once, and not both: a second inner product, or ``q~`` after one, would need ``Z``'s
-    components along two vectors, which one scalar does not give. The raw sum is never returned.
+    Either may be asked once, and not both: the raw sum is never returned.
     """
 
-    def __init__(self, sums: list[Tensor], noise: Tensor, std: Tensor, materialise_noise: AddNoise) -> None:
-        self._sums = sums  # S / B per parameter, [1, *shape]: un-noised, never returned
-        self._noise = noise  # z / B, a 0-dim tensor
-        self._std = std  # std / B, the per-coordinate std of Z / B (a 0-dim tensor)
+    def __init__(
+        self,
+        sums: list[Tensor],
+        noise: Tensor,
+        scalar_std: Tensor,
+        vector_std: Tensor,
+        expected_batch_size: float,
+        materialise_noise: AddNoise,
+    ) -> None:
+        self._sums = sums  # the raw S per parameter, [1, *shape], float64: un-noised, never returned
+        self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
+        self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
+        self._vector_std = vector_std  # the std of each coordinate of a materialised q~
+        self._expected_batch_size = expected_batch_size
         self._materialise_noise = materialise_noise
         self._spent = False
 
@@ -80,19 +94,24 @@ class DeferredQuery:
         self._spent = True
 
     def inner(self, vector: Sequence[Tensor]) -> Tensor:
-        """``v . q~`` for a vector ``v`` (one tensor per parameter) independent of ``Z``, as a 0-dim tensor."""
+        """``v . q~`` for a vector ``v`` (one tensor per parameter) independent of ``Z``, as a 0-dim float64 tensor."""
         self._spend("a second inner product")
-        product = flat_dot(vector, self._sums)
-        return product + flat_dot(vector, vector).sqrt() * self._noise.to(product.dtype)
+        vector = [v.to(torch.float64) for v in vector]
+        norm = flat_dot(vector, vector).sqrt()
+        projection = flat_dot(vector, self._sums) / norm.clamp_min(torch.finfo(torch.float64).tiny)
+        released = exact_noise.on_grid(projection, exact_noise.grid_exponent(self._scalar_std)) + self._noise
+        return torch.where(norm > 0, norm * released, torch.zeros_like(norm)) / self._expected_batch_size
 
     def materialise(self) -> list[Tensor]:
-        """``q~ = (S + Z) / B`` with a fresh model-sized ``Z`` (per parameter, new tensors)."""
+        """``q~ = (S + Z) / B``, each coordinate on the grid with a fresh integer draw (per parameter, new tensors)."""
         self._spend("q~ itself")
-        return [q[0] for q in self._materialise_noise(self._sums, self._std.reshape(1))]
+        noisy = self._materialise_noise(self._sums, self._vector_std.reshape(1))
+        return [q[0] / self._expected_batch_size for q in noisy]
 
     def to(self, device: torch.device) -> DeferredQuery:
         self._sums = [s.to(device) for s in self._sums]
-        self._noise, self._std = self._noise.to(device), self._std.to(device)
+        self._noise, self._scalar_std = self._noise.to(device), self._scalar_std.to(device)
+        self._vector_std = self._vector_std.to(device)
         return self
 
 
@@ -192,47 +211,63 @@ def release(
     add_noise: AddNoise,
     sum_across_processes: Reduce | None = None,
     record_step: Callable[[], None] | None = None,
-    refuse: Refuse | None = None,
     materialise_noise: AddNoise | None = None,
 ) -> SanitisedStep:
-    """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: add noise ->
-    reduce across processes (with the refusal count) -> refuse a non-finite step or record it in the ledger ->
-    scale by the expected batch size. Arguments as in :func:`sanitise`."""
-    stds = rule.noise_stds()
-    vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
-    dtype = clipped.sums[0].dtype if clipped.sums else torch.float32
-    # -> add noise: a model-sized draw on each vector row; one scalar draw per deferred row (its noise along the one
-    # vector it will be read with)
-    noisy = add_noise([s[:vectors] for s in clipped.sums], stds[:vectors])
-    scalar_sums = [clipped.scalars] if clipped.scalars is not None else []
-    noisy_scalars = add_noise(scalar_sums, _scalar_stds(rule)) if scalar_sums else []
-    deferred: list[Tensor] = []
-    if rule.DEFERRED_ROWS:
-        deferred = add_noise([torch.zeros(rule.DEFERRED_ROWS, dtype=dtype, device=stds.device)], stds[vectors:])
-        deferred += [s[vectors:] for s in clipped.sums]  # views: never noised as vectors, never returned
+    """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: reduce across
+    processes -> record the step in the ledger -> release on the grid with exact noise -> scale by the expected batch
+    size. Arguments as in :func:`sanitise`.
 
-    # -> reduce across processes (the refusal flag with them)
-    totals = [*noisy, *noisy_scalars, *deferred, clipped.nonfinite.to(dtype).reshape(1)]
+    The raw sums of all processes are added up first, in float64, so that the grid and the noise apply to the total
+    (noise added before a sum across processes would be followed by a float addition of raw values: the lattice the
+    grid removes). Each query row's noise standard deviation is raised by :func:`exact_noise.grid_noise_std` so that
+    the grid's rounding is inside the noise multiplier the accountant sees.
+    """
+    stds = rule.noise_stds()
+    multipliers = rule.query_multipliers()
+    vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
+    sums = [s.to(torch.float64) for s in clipped.sums]
+    scalar_sums = [clipped.scalars.to(torch.float64)] if clipped.scalars is not None else []
+
+    # -> reduce across processes: raw sums, before any noise
+    totals = [*sums, *scalar_sums]
     if sum_across_processes is not None:
         totals = sum_across_processes(totals)
+    sums, scalar_sums = totals[: len(sums)], totals[len(sums) :]
 
-    # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while the
-    # host waits)
-    if bool(totals[-1].any()):
-        (refuse or refuse_step)(int(clipped.nonfinite), clipped.size)
     # the write-ahead record: charged (and on disk) before anything of the step can leave this function
     if record_step is not None:
         record_step()
 
+    # -> release on the grid: a model-sized integer draw on each vector row; for a deferred row, one integer (its
+    # noise along the one vector it will be read with)
+    coordinates = sum(s[0].numel() for s in sums)
+    row_stds = [exact_noise.grid_noise_std(stds[k], multipliers[k], coordinates) for k in range(len(stds))]
+    noisy = add_noise([s[:vectors] for s in sums], torch.stack(row_stds[:vectors])) if vectors else []
+    noisy_scalars: list[Tensor] = []
+    if scalar_sums:
+        scalar_multipliers = rule.scalar_query_multipliers()
+        scalar_stds = _scalar_stds(rule)
+        noisy_scalars = add_noise(
+            scalar_sums,
+            torch.stack([exact_noise.grid_noise_std(scalar_stds[k], m, 1) for k, m in enumerate(scalar_multipliers)]),
+        )
+    deferred_noise: list[Tensor] = []
+    deferred_stds = [exact_noise.grid_noise_std(stds[k], multipliers[k], 1) for k in range(vectors, len(stds))]
+    if rule.DEFERRED_ROWS:
+        deferred_noise = add_noise(
+            [torch.zeros(rule.DEFERRED_ROWS, dtype=torch.float64, device=stds.device)], torch.stack(deferred_stds)
+        )
+
     # -> scale
-    totals = average(totals[:-1], expected_batch_size)
-    released, totals = totals[: len(noisy)], totals[len(noisy) :]
-    scalars, totals = totals[: len(noisy_scalars)], totals[len(noisy_scalars) :]
+    released = average(noisy, expected_batch_size)
+    scalars = average(noisy_scalars, expected_batch_size)
     queries = tuple(
         DeferredQuery(
-            [s[row : row + 1] for s in totals[1:]],
-            totals[0][row],
-            stds[vectors + row] / expected_batch_size,
+            [s[vectors + row : vectors + row + 1] for s in sums],  # views: never noised as vectors, never returned
+            deferred_noise[0][row],
+            deferred_stds[row],
+            row_stds[vectors + row],
+            expected_batch_size,
             materialise_noise or add_noise,
         )
         for row in range(rule.DEFERRED_ROWS)
@@ -250,7 +285,6 @@ def sanitise(
     add_noise: AddNoise,
     sum_across_processes: Reduce | None = None,
     record_step: Callable[[], None] | None = None,
-    refuse: Refuse | None = None,
     observe_norms: Callable[[Tensor], None] | None = None,
     materialise_noise: AddNoise | None = None,
 ) -> SanitisedStep:
@@ -263,22 +297,16 @@ def sanitise(
             sums are taken.
         rule: the clipping rule: weights from the norms, noise stds, scalar queries.
         expected_batch_size: ``B = qN`` over all processes, never the actual batch size (that is private).
-        add_noise: the noise stage, e.g. :func:`gaussian_noise`; the strategy's draws on rank 0 only, so that each
-            Gaussian is in the sum across processes exactly once.
-        sum_across_processes: adds up the queries (and the refusal flag) of all processes; ``None`` on one process.
-        record_step: the ledger's write-ahead record, called once the step is known to be released (after the
-            refusal check) and before anything of it is returned.
-        refuse: raises for a step with non-finite per-sample norms (default: :func:`refuse_step`, unnumbered).
+        add_noise: the noise stage, e.g. :func:`gaussian_noise`: the exact release of the summed queries, the same
+            draw on every process (the strategy keys it on the step, or sends rank 0's secure draw to all).
+        sum_across_processes: adds up the raw queries of all processes (float64); ``None`` on one process.
+        record_step: the ledger's write-ahead record, called before anything of the step is released.
         observe_norms: opt-in, NOT private: sees the raw per-sample norms (the strategy's diagnostics).
         materialise_noise: the noise with which a deferred query is materialised (:meth:`DeferredQuery.materialise`),
             the same draw on every process (default: ``add_noise``, right on one process).
 
     Returns:
-        The released queries (:class:`SanitisedStep`).
-
-    Raises:
-        PrivateStepRefused: a per-sample gradient on some process is not finite (NaN or inf); nothing is released and
-            ``record_step`` is not called.
+        The released queries (:class:`SanitisedStep`), float64.
 
     Example:
         >>> import torch
@@ -303,7 +331,6 @@ def sanitise(
         add_noise=add_noise,
         sum_across_processes=sum_across_processes,
         record_step=record_step,
-        refuse=refuse,
         materialise_noise=materialise_noise,
     )
 
@@ -358,18 +385,24 @@ def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
 def add_gaussian_noise(
     sums: Sequence[Tensor], stds: Tensor, generator: torch.Generator | SecureRandom | None = None
 ) -> list[Tensor]:
-    """Add independent ``N(0, stds[k]^2 I)`` to row ``k`` of every parameter's sums (a new list; inputs untouched)."""
-    noisy = []
-    for s in sums:
-        noise = standard_normal_like(s, generator)
-        shape = (-1,) + (1,) * (s.dim() - 1)
-        noisy.append(noise.mul_(stds.to(s.dtype).reshape(shape)).add_(s))  # in place: no temporaries
-    return noisy
+    """Release row ``k`` of every parameter's sums on the grid of ``stds[k]`` with exact discrete Gaussian noise of
+    standard deviation ``stds[k]`` (``exact_noise.release_on_grid``): new float64 tensors, inputs untouched. The rows
+    of all parameters are released as one vector (one grid and one draw per row)."""
+    if not sums:
+        return []
+    words = words_of(generator)
+    out = [torch.empty(s.shape, dtype=torch.float64, device=s.device) for s in sums]
+    for row in range(sums[0].shape[0]):
+        flat = torch.cat([s[row].reshape(-1).to(torch.float64) for s in sums])
+        noisy = exact_noise.release_on_grid(flat, stds[row].to(flat.device), words)
+        for target, part in zip(out, noisy.split([s[row].numel() for s in sums])):
+            target[row] = part.view(target.shape[1:])
+    return out
 
 
 def gaussian_noise(generator: torch.Generator | SecureRandom | None = None) -> AddNoise:
-    """The noise stage of one process that adds all the noise, drawing from ``generator`` (torch's default one for
-    ``None``)."""
+    """The noise stage of a process that draws the noise itself, from ``generator`` (torch's default one for
+    ``None``): :func:`add_gaussian_noise`."""
 
     def add_noise(sums: list[Tensor], stds: Tensor) -> list[Tensor]:
         return add_gaussian_noise(sums, stds, generator)

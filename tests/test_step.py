@@ -155,7 +155,7 @@ def test_opacus_hooks_give_true_per_sample_gradients():
 def _released(gradient, direction):
     """A released step with this gradient and a noiseless deferred direction query (one parameter)."""
     zero = torch.zeros((), dtype=torch.float64)
-    query = step.DeferredQuery([direction.unsqueeze(0)], zero, zero, step.gaussian_noise())
+    query = step.DeferredQuery([direction.unsqueeze(0)], zero, zero, zero, 1.0, step.gaussian_noise())
     return step.SanitisedStep(sums=(gradient.unsqueeze(0),), scalars=None, deferred=(query,))
 
 

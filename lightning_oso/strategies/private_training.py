@@ -307,7 +307,6 @@ class PrivateTraining(_StrategyBase):
                 add_noise=self.add_noise,
                 sum_across_processes=self.sum_across_processes,
                 record_step=self.ledger.record_step if self.ledger is not None else None,
-                refuse=self._refuse_step,
                 materialise_noise=self._materialise_noise(self.executed_steps),
             )
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
@@ -317,37 +316,45 @@ class PrivateTraining(_StrategyBase):
         return released
 
     def add_noise(self, sums: list[Tensor], stds: Tensor) -> list[Tensor]:
-        """Gaussian noise ``N(0, stds[k]^2)`` on row ``k`` of every sum, drawn by rank 0 only: the other processes add
-        nothing, so after the sum across processes each Gaussian is there exactly once."""
-        if not self.adds_noise:
-            return sums
-        return add_gaussian_noise(sums, stds, self._noise_generator())
+        """The exact release of the summed queries (``step.add_gaussian_noise``), the same on every process: from this
+        step's keyed noise stream, which every process derives alike."""
+        return self._same_on_every_process(sums, stds, self._noise_generator())
+
+    def _same_on_every_process(self, sums: list[Tensor], stds: Tensor, generator: Generator) -> list[Tensor]:
+        """The release of ``sums`` (identical on every process) with noise from ``generator``: a keyed stream draws
+        the same integers on every process; the operating system's generator (which cannot be keyed) draws on rank 0,
+        whose released values are summed with the other processes' zeros (an exact float64 sum)."""
+        if self.world_size == 1 or not isinstance(generator, SecureRandom):
+            return add_gaussian_noise(sums, stds, generator)
+        released = (
+            add_gaussian_noise(sums, stds, generator)
+            if self.adds_noise
+            else [torch.zeros(s.shape, dtype=torch.float64, device=s.device) for s in sums]
+        )
+        return self.sum_across_processes(released)
 
     def _materialise_noise(self, step: int) -> AddNoise:
         """The noise that materialises a deferred query of step ``step`` (``step.DeferredQuery``), the same draw on
-        every process, since each continues from the materialised vector: from the ``DIRECTION`` stream of rank 0 on
-        every process, or, with the operating system's generator (which cannot be keyed), drawn by rank 0 and summed
-        across processes (then every process must materialise at once, as Lightning's checkpointing does)."""
+        every process (each continues from the materialised vector): from the ``DIRECTION`` stream of rank 0 on every
+        process, or rank 0's secure draw (then every process must materialise at once, as Lightning's checkpointing
+        does)."""
 
         def add_noise(sums: list[Tensor], stds: Tensor) -> list[Tensor]:
             if self.randomness is None:
                 raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
             generator = self.randomness.generator(DIRECTION, step, rank=0, device=self.root_device)
-            if self.world_size == 1 or not isinstance(generator, SecureRandom):
-                return add_gaussian_noise(sums, stds, generator)
-            zeros = [torch.zeros_like(s) for s in sums]
-            noise = self.sum_across_processes(add_gaussian_noise(zeros, stds, generator) if self.adds_noise else zeros)
-            return [n.add_(s) for n, s in zip(noise, sums)]
+            return self._same_on_every_process(sums, stds, generator)
 
         return add_noise
 
     def _noise_generator(self) -> Generator:
         """This step's noise stream, keyed on the ledger's executed-step counter (never reused across steps,
-        resumes or crashes: see ``randomness``). Scalar queries draw from it after the vector ones."""
+        resumes or crashes: see ``randomness``) and on rank 0 on every process: the noise is one draw for the whole
+        world, added after the sum across processes. Scalar queries draw from it after the vector ones."""
         if self._noise_stream is None or self._noise_stream[0] != self.executed_steps:
             if self.randomness is None:
                 raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
-            generator = self.randomness.generator(NOISE, self.executed_steps, device=self.root_device)
+            generator = self.randomness.generator(NOISE, self.executed_steps, rank=0, device=self.root_device)
             self._noise_stream = (self.executed_steps, generator)
         return self._noise_stream[1]
 

@@ -1,0 +1,241 @@
+"""Exact integer noise for the release: the discrete Gaussian, sampled from uniform random bits.
+
+A private step releases ``gamma * (round(S / gamma) + Z)``: the clipped sum ``S`` rounded onto a grid of step ``gamma``
+that depends on the noise's standard deviation ``sigma`` alone (never on the data), plus integer noise ``Z`` drawn from
+the discrete Gaussian ``N_Z(0, s^2)``, ``s = sigma / gamma`` (Canonne, Kamath and Steinke 2020, "The Discrete Gaussian
+for Differential Privacy"). Everything after the integer is post-processing. docs/algorithms.md ("The exact release")
+derives the guarantee; this module holds the sampler and the grid.
+
+Why not ``fl(S + fl(sigma * z))`` with torch's ``normal_``: where the noise nearly cancels a record's share of ``S``,
+float addition is exact (Sterbenz) and the output falls on the lattice of that share's ulp, so its low-order bits
+reveal the record; and torch's float32 normal draws never exceed 5.77 sigma, so a shift beyond that is detected with
+certainty.
+
+The sampler (CKS20, Algorithms 1-3, vectorised over all coordinates at once):
+
+- :func:`bernoulli`: ``P(True) = p`` *exactly* for a float64 ``p``, from uniform bits (``p = m 2^-k`` with a 53-bit
+  mantissa ``m``: the first ``k`` bits of a uniform number are zero, and a 53-bit uniform integer is below ``m 2^53``);
+- :func:`discrete_laplace` with scale ``t = 2^31``: a uniform ``U < t`` kept with probability ``exp(-U / t)``, plus
+  ``t`` times a geometric count of ``Bernoulli(e^-1)`` successes, with a random sign (zero counted once);
+- :func:`discrete_gaussian`: a discrete Laplace ``Y`` kept with probability ``exp(-(|Y| - s^2/t)^2 / (2 s^2))``.
+
+Every probability the sampler uses is a float64 number, and each Bernoulli trial has exactly that probability, so the
+law of the output differs from ``N_Z(0, s^2)`` only through the float64 rounding of those probabilities: within a
+factor ``exp(+-SAMPLER_LOG_RATIO_BOUND)`` of the exact probability mass of every integer within 12 standard deviations
+(docs/algorithms.md derives the bound), and with more mass outside that range than the ideal law nowhere.
+
+Random bits come as int64 *words* of :data:`WORD_BITS` uniform bits each, from a torch generator (power-of-two ranges
+only: torch reduces a 64-bit draw modulo the range, which is exact for a power of two) or the operating system's
+CSPRNG (``randomness.SecureRandom.words``). The sampler never sees data: it is called with a shape and a scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+#: Uniform bits per int64 word.
+WORD_BITS = 62
+#: ``log2(s)`` lies in ``[GRID_BITS, GRID_BITS + 1)``: the grid step ``gamma`` is a power of two with
+#: ``sigma / gamma = s`` in ``[2^30, 2^31)``.
+GRID_BITS = 30
+#: The discrete Laplace proposal's scale ``t = 2^31 >= s``.
+LAPLACE_BITS = GRID_BITS + 1
+#: The released integers are clamped to this magnitude before noise: a coordinatewise clamp is a contraction, so it
+#: never increases the sensitivity, and every integer stays exact in float64 after the noise is added.
+MAX_GRID_INDEX = 2**52
+#: Bound on ``|log(Q(k) / P(k))|``, for the sampler's law ``Q`` and the rounded continuous Gaussian ``P`` (the
+#: mechanism the accountant prices, see docs/algorithms.md), at every integer within :data:`BULK_SIGMAS` standard
+#: deviations: float64 evaluation of ``exp(-x)`` for ``x <= 72`` (at most ``2^-44.8`` relative), of ``exp(-U/t)`` and of
+#: ``e^-1`` raised to the geometric count (``2^-48``), the normalisation (twice the sum), and the gap between the
+#: discrete and the rounded continuous Gaussian at ``s >= 2^30`` (``2^-57``), with margin.
+SAMPLER_LOG_RATIO_BOUND = 2.0**-43
+#: Where :data:`SAMPLER_LOG_RATIO_BOUND` holds; beyond it both laws have mass below ``2^-100`` per coordinate.
+BULK_SIGMAS = 12
+
+#: ``words(count, device) -> count`` int64 tensors of :data:`WORD_BITS` uniform bits each.
+Words = Callable[[int, torch.device], Tensor]
+
+_MANTISSA_BITS = 53
+_PREFIX_BITS = WORD_BITS - _MANTISSA_BITS  # the low bits of a Bernoulli word: its first zero-prefix test
+_INV_E = math.exp(-1.0)
+
+
+def torch_words(generator: torch.Generator | None) -> Words:
+    """Words from a torch generator (on the generator's device)."""
+
+    def words(count: int, device: torch.device) -> Tensor:
+        return torch.randint(0, 2**WORD_BITS, (count,), generator=generator, device=device, dtype=torch.int64)
+
+    return words
+
+
+# ----------------------------------------------------------------------------------------------------- Bernoulli
+def bernoulli(p: Tensor, words: Words) -> Tensor:
+    """Independent trials with ``P(True) = p`` exactly, for float64 probabilities ``p`` in ``[0, 1]`` (one per
+    element; a ``p`` below ``2^-186`` counts as 0, NaN as 0).
+
+    ``p = m 2^-k`` with ``m`` in ``[1/2, 1)``: a uniform number ``U`` is below ``p`` iff its first ``k`` bits are zero
+    and the rest, itself uniform, is below ``m``; ``m`` has 53 bits, so that last test is one integer comparison. The
+    first word gives the 53-bit integer and 9 bits of the prefix test; the rare trials that need more prefix bits draw
+    further words.
+    """
+    p = p.to(torch.float64)
+    mantissa, exponent = torch.frexp(p)  # p = mantissa * 2^exponent, mantissa in [0.5, 1)
+    zero_bits = (-exponent).to(torch.int64)  # k >= 0 for p < 1
+    threshold = (mantissa * 2.0**_MANTISSA_BITS).to(torch.int64)  # exact: m has 53 bits
+    word = words(p.numel(), p.device).reshape(p.shape)
+    below = (word >> _PREFIX_BITS) < threshold  # the 53-bit uniform integer against m 2^53
+    prefix = word & (2**_PREFIX_BITS - 1)
+    first = zero_bits.clamp(max=_PREFIX_BITS)
+    prefix_zero = (prefix >> (_PREFIX_BITS - first)) == 0
+    result = below & prefix_zero
+    # trials whose k exceeds the first word's prefix bits, and whose first bits were all zero: the next bits decide
+    longer = (zero_bits > _PREFIX_BITS) & result
+    if bool(longer.any()):  # a branch on the noise's own random bits, never on data
+        index = longer.nonzero().squeeze(1)
+        flat = result.reshape(-1)
+        remaining = zero_bits.reshape(-1)[index] - _PREFIX_BITS
+        still = torch.ones_like(remaining, dtype=torch.bool)
+        for _ in range(3):  # up to 9 + 3 * 62 prefix bits: probabilities down to 2^-195, then 0
+            take = remaining.clamp(0, WORD_BITS)
+            extra = words(index.numel(), p.device)
+            still &= (extra >> (WORD_BITS - take)) == 0
+            remaining = remaining - take
+        flat[index] = still & (remaining <= 0)
+        result = flat.reshape(p.shape)
+    exact_one = p >= 1.0  # frexp(1) = (0.5, 1): the prefix test of a negative k is meaningless
+    return torch.where(exact_one, torch.ones_like(result), result & (p > 0))
+
+
+def _geometric_inverse_e(count: int, device: torch.device, words: Words) -> Tensor:
+    """How many ``Bernoulli(e^-1)`` trials succeed before the first failure (``P(V >= v) = e^-v``), per element."""
+    successes = torch.zeros(count, dtype=torch.int64, device=device)
+    active = torch.arange(count, device=device)
+    inverse_e = torch.tensor(_INV_E, dtype=torch.float64, device=device)
+    while active.numel():
+        success = bernoulli(inverse_e.expand(active.numel()), words)
+        active = active[success]
+        successes[active] += 1
+    return successes
+
+
+# ----------------------------------------------------------------------------------------------------- samplers
+def discrete_laplace(count: int, device: torch.device, words: Words, scale_bits: int = LAPLACE_BITS) -> Tensor:
+    """``count`` draws with ``P(y)`` proportional to ``exp(-|y| / t)``, ``t = 2^scale_bits`` (CKS20, Algorithm 2).
+
+    ``y = (U + t V)`` with a random sign: ``U`` uniform below ``t``, kept with probability ``exp(-U / t)``; ``V``
+    geometric with ``P(V >= v) = e^-v``; a negative zero is drawn again, so that 0 is not counted twice.
+    """
+    t = 2**scale_bits
+    out = torch.empty(count, dtype=torch.int64, device=device)
+    pending = torch.arange(count, device=device)
+    while pending.numel():
+        n = pending.numel()
+        word = words(n, device)
+        uniform = word & (t - 1)
+        negative = ((word >> scale_bits) & 1).bool()
+        keep = bernoulli(torch.exp(-uniform.to(torch.float64) / t), words)  # U / t is exact: t is a power of 2
+        magnitude = uniform + t * _geometric_inverse_e(n, device, words)
+        keep &= ~(negative & (magnitude == 0))
+        out[pending[keep]] = torch.where(negative, -magnitude, magnitude)[keep]
+        pending = pending[~keep]
+    return out
+
+
+def discrete_gaussian(
+    shape: torch.Size | tuple[int, ...], scale: Tensor, words: Words, laplace_bits: int = LAPLACE_BITS
+) -> Tensor:
+    """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64
+    (CKS20, Algorithm 3: a discrete Laplace with scale ``t = 2^31 >= s``, kept with probability
+    ``exp(-(|Y| - s^2/t)^2 / (2 s^2))``).
+
+    Args:
+        shape: the output's shape.
+        scale: ``s``, a 0-dim float64 tensor on the device the draws are made on, at most ``2^laplace_bits`` (and
+            not far below it, or most proposals are rejected).
+        words: the source of uniform bits.
+        laplace_bits: ``log2(t)``; the release uses ``s`` in ``[2^30, 2^31)`` and ``t = 2^31``.
+    """
+    device = scale.device
+    count = math.prod(shape)
+    s = scale.to(torch.float64)
+    t = float(2**laplace_bits)
+    centre = s * s / t
+    two_variance = 2.0 * s * s
+    out = torch.empty(count, dtype=torch.int64, device=device)
+    pending = torch.arange(count, device=device)
+    while pending.numel():
+        proposal = discrete_laplace(pending.numel(), device, words, laplace_bits)
+        excess = proposal.abs().to(torch.float64) - centre
+        keep = bernoulli(torch.exp(-(excess * excess) / two_variance), words)
+        out[pending[keep]] = proposal[keep]
+        pending = pending[~keep]
+    return out.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------- the grid
+def power_of_two(exponent: Tensor, device: torch.device) -> Tensor:
+    """``2^exponent`` in float64, exact (``pow`` of 2 to an integer is exact for exponents within float64's range)."""
+    return torch.pow(torch.tensor(2.0, dtype=torch.float64, device=device), exponent.to(device=device, dtype=torch.float64))
+
+
+def grid_exponent(std: Tensor) -> Tensor:
+    """``e`` with ``gamma = 2^e`` the grid of noise with standard deviation ``std`` (0-dim tensor, no host read):
+    ``std / gamma`` lies in ``[2^30, 2^31)``."""
+    _, exponent = torch.frexp(std.to(torch.float64))  # std = m 2^exponent, m in [0.5, 1)
+    return exponent - (GRID_BITS + 1)
+
+
+def grid_index(values: Tensor, exponent: Tensor) -> Tensor:
+    """``round(values / 2^exponent)``, clamped to ``+-MAX_GRID_INDEX``, as float64 holding exact integers. The
+    scaling by a power of two is exact in float64, the rounding (half to even) a fixed function: so the index moves by
+    at most ``|difference| / gamma + 1`` per coordinate between any two inputs, whatever their low-order bits."""
+    scaled = values.to(torch.float64) * power_of_two(-exponent, values.device)
+    return scaled.round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
+
+
+def on_grid(values: Tensor, exponent: Tensor) -> Tensor:
+    """``values`` rounded onto the grid ``2^exponent`` (:func:`grid_index` times the step; float64, exact)."""
+    return grid_index(values, exponent).mul_(power_of_two(exponent, values.device))
+
+
+def grid_noise_std(std: Tensor, multiplier: float, coordinates: int) -> Tensor:
+    """The standard deviation to draw so that the grid's rounding costs nothing: ``std`` prices a query of L2
+    sensitivity ``std / multiplier``; rounding ``coordinates`` values to the grid ``gamma <= std' 2^-30`` moves neighbours'
+    indices apart by up to ``sqrt(coordinates)`` more, i.e. adds ``gamma sqrt(coordinates)`` to the sensitivity. With
+    ``std' = std / (1 - nu sqrt(coordinates) 2^-30)``, ``nu = std / sensitivity``, the ratio ``std' / (sensitivity +
+    gamma sqrt(coordinates))`` is at least ``nu = multiplier``: the accountant's multiplier is kept. The check is on
+    settings alone (a host float): no device read.
+
+    Raises:
+        ValueError: ``nu sqrt(coordinates)`` reaches ``2^29`` (the grid would double the noise); lower the noise
+            multiplier.
+    """
+    inflation = multiplier * math.sqrt(coordinates) * 2.0**-GRID_BITS
+    if not inflation < 0.5:  # settings only (the noise multiplier and the model's size): not data
+        raise ValueError(
+            f"noise multiplier {multiplier:.4g} over {coordinates} coordinates is too large for the exact "
+            "release's grid (the rounding would double the noise): lower the noise multiplier"
+        )
+    return std.to(torch.float64) / (1.0 - inflation)
+
+
+def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
+    """``gamma * (round(values / gamma) + Z)``, ``Z ~ N_Z(0, (std / gamma)^2)`` per element, as float64 (exact: both
+    factors are exact, ``gamma`` a power of two). ``std`` is a 0-dim tensor, already :func:`grid_noise_std`'s."""
+    exponent = grid_exponent(std)
+    index = grid_index(values, exponent)
+    scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
+    noise = discrete_gaussian(index.shape, scale, words)
+    return index.add_(noise.to(torch.float64)).mul_(power_of_two(exponent, index.device))
+
+
+def floating_point_epsilon(coordinates_per_step: int, steps: int) -> float:
+    """What the sampler's float64 probabilities add to epsilon: each released integer's probability is within a
+    factor ``exp(+-SAMPLER_LOG_RATIO_BOUND)`` of the priced mechanism's, so the privacy loss of ``steps`` steps of
+    ``coordinates_per_step`` integers each moves by at most twice that bound per integer (docs/algorithms.md)."""
+    return 2.0 * SAMPLER_LOG_RATIO_BOUND * coordinates_per_step * steps
