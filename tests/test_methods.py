@@ -294,4 +294,4 @@ def test_oso_with_momentum_replays_from_sanitised_values():
     assert dp.clip == pytest.approx(clip, rel=1e-9)
     assert float(model.optimizers().param_groups[0]["lr"]) == pytest.approx(lr, rel=1e-9)
     for p, expected in zip(model.parameters(), params):
-        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach(), expected.to(p.dtype), rtol=1e-5, atol=1e-6)
