@@ -180,7 +180,8 @@ def discrete_gaussian(
 # ----------------------------------------------------------------------------------------------------- the grid
 def power_of_two(exponent: Tensor, device: torch.device) -> Tensor:
     """``2^exponent`` in float64, exact (``pow`` of 2 to an integer is exact for exponents within float64's range)."""
-    return torch.pow(torch.tensor(2.0, dtype=torch.float64, device=device), exponent.to(device=device, dtype=torch.float64))
+    two = torch.tensor(2.0, dtype=torch.float64, device=device)
+    return torch.pow(two, exponent.to(device=device, dtype=torch.float64))
 
 
 def grid_exponent(std: Tensor) -> Tensor:
@@ -205,10 +206,10 @@ def on_grid(values: Tensor, exponent: Tensor) -> Tensor:
 
 def grid_noise_std(std: Tensor, multiplier: float, coordinates: int) -> Tensor:
     """The standard deviation to draw so that the grid's rounding costs nothing: ``std`` prices a query of L2
-    sensitivity ``std / multiplier``; rounding ``coordinates`` values to the grid ``gamma <= std' 2^-30`` moves neighbours'
-    indices apart by up to ``sqrt(coordinates)`` more, i.e. adds ``gamma sqrt(coordinates)`` to the sensitivity. With
-    ``std' = std / (1 - nu sqrt(coordinates) 2^-30)``, ``nu = std / sensitivity``, the ratio ``std' / (sensitivity +
-    gamma sqrt(coordinates))`` is at least ``nu = multiplier``: the accountant's multiplier is kept. The check is on
+    sensitivity ``Delta = std / multiplier``; rounding ``coordinates`` values to the grid ``gamma <= std' 2^-30`` moves
+    neighbours' indices apart by up to ``sqrt(coordinates)`` more, i.e. adds ``gamma sqrt(coordinates)`` to the
+    sensitivity. With ``std' = std / (1 - nu sqrt(coordinates) 2^-30)``, ``nu = multiplier``, the ratio
+    ``std' / (Delta + gamma sqrt(coordinates))`` is at least ``nu``: the accountant's multiplier is kept. The check is on
     settings alone (a host float): no device read.
 
     Raises:

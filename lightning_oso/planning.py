@@ -47,6 +47,7 @@ def calibrated_noise_multiplier(
     accountant: AccountantName,
     history: History,
     spent_epsilon: Callable[[], float],
+    epsilon_per_step: float = 0.0,
 ) -> float:
     """The smallest ``nu`` whose ``remaining_steps`` at ``sample_rate`` after ``history`` meet the budget.
 
@@ -69,6 +70,7 @@ def calibrated_noise_multiplier(
             max(1, int(remaining_steps)),
             accountant,
             prior_history=history,
+            epsilon_per_step=epsilon_per_step,
         )
     except ValueError as err:
         steps = total_steps(history)
@@ -92,8 +94,10 @@ def steps_within_budget(
     accountant: AccountantName,
     history: History,
     limit: int,
+    epsilon_per_step: float = 0.0,
 ) -> int:
-    """How many more steps at ``(noise_multiplier, sample_rate)`` the budget allows after ``history`` (``<= limit``)."""
+    """How many more steps at ``(noise_multiplier, sample_rate)`` the budget allows after ``history`` (``<= limit``),
+    counting ``epsilon_per_step`` per step on top of the accountant's epsilon."""
     return max_steps_within_budget(
         noise_multiplier,
         sample_rate,
@@ -102,6 +106,7 @@ def steps_within_budget(
         accountant,
         prior_history=history,
         limit=limit,
+        epsilon_per_step=epsilon_per_step,
     )
 
 
@@ -130,13 +135,17 @@ def scheduled_steps_within_budget(
     accountant: AccountantName,
     history: History,
     limit: int,
+    epsilon_per_step: float = 0.0,
 ) -> int:
     """How many more steps of a schedule (``scheduled(steps)``: their history) the budget allows after
-    ``history`` (``<= limit``); the cost per step must only grow."""
+    ``history`` (``<= limit``); the cost per step must only grow. ``epsilon_per_step`` as in
+    :func:`steps_within_budget`."""
     prior = as_events(history)
+    taken = total_steps(prior)
 
     def fits(steps: int) -> bool:
-        return compute_epsilon(prior + scheduled(steps), target_delta, accountant) <= target_epsilon
+        budget = target_epsilon - epsilon_per_step * (taken + steps)
+        return compute_epsilon(prior + scheduled(steps), target_delta, accountant) <= budget
 
     return largest_fitting_steps(fits, limit)
 

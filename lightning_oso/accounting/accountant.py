@@ -30,7 +30,7 @@ class PrivacyAccountant:
         >>> accountant.history
         (SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01, steps=101),)
         >>> accountant.state_dict()
-        {'delta': 1e-05, 'accountant': 'prv', 'history': [[1.0, 0.01, 101]]}
+        {'delta': 1e-05, 'accountant': 'prv', 'history': [[1.0, 0.01, 101]], 'epsilon_per_step': 0.0}
     """
 
     def __init__(self, delta: float, accountant: AccountantName = "prv") -> None:
@@ -38,6 +38,9 @@ class PrivacyAccountant:
         self.delta = delta
         self.accountant = accountant
         self._history: tuple[SubsampledGaussian, ...] = ()
+        #: epsilon added per step on top of the accountant's: the exact release's floating-point term
+        #: (``exact_noise.floating_point_epsilon``), set by the DP callback from the model's size
+        self.epsilon_per_step = 0.0
 
     @property
     def history(self) -> tuple[SubsampledGaussian, ...]:
@@ -64,19 +67,27 @@ class PrivacyAccountant:
         history = self._history
         if extra_steps:
             history += (history[-1].with_steps(extra_steps),)
-        return compute_epsilon(history, self.delta, self.accountant)
+        return compute_epsilon(history, self.delta, self.accountant) + self.epsilon_per_step * total_steps(history)
 
     def copy(self) -> PrivacyAccountant:
         other = PrivacyAccountant(self.delta, self.accountant)
         other.history = self._history
+        other.epsilon_per_step = self.epsilon_per_step
         return other
 
     def state_dict(self) -> dict[str, Any]:
-        """``delta``, ``accountant`` and the history as ``[nu, q, steps]`` lists (JSON and ``torch.save`` friendly,
-        the format every checkpoint has used)."""
-        return {"delta": self.delta, "accountant": self.accountant, "history": [list(e) for e in self._history]}
+        """``delta``, ``accountant``, the history as ``[nu, q, steps]`` lists (JSON and ``torch.save`` friendly) and
+        the per-step floating-point term."""
+        return {
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "history": [list(e) for e in self._history],
+            "epsilon_per_step": self.epsilon_per_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.delta = state["delta"]
         self.accountant = state["accountant"]
         self.history = state["history"]
+        # the larger of the two: the steps taken before were charged at least at the checkpoint's rate
+        self.epsilon_per_step = max(self.epsilon_per_step, float(state.get("epsilon_per_step", 0.0)))

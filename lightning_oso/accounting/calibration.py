@@ -34,6 +34,7 @@ def calibrate_noise_multiplier(
     accountant: AccountantName = "prv",
     rtol: float = 1e-3,
     prior_history: History = (),
+    epsilon_per_step: float = 0.0,
 ) -> float:
     """Smallest noise multiplier (to relative tolerance ``rtol``) whose epsilon after ``steps`` steps is at most
     ``target_epsilon`` (docs/algorithms.md, "OSO-DPSGD"). The returned value always meets the target, by the bound
@@ -54,6 +55,8 @@ def calibrate_noise_multiplier(
         rtol: relative tolerance on the multiplier.
         prior_history: composed in front: mechanisms already run on the same data, whose cost the budget must also
             cover.
+        epsilon_per_step: an epsilon added per step, prior steps included, on top of the accountant's (the exact
+            release's floating-point term, ``exact_noise.floating_point_epsilon``).
 
     Returns:
         The noise multiplier.
@@ -71,6 +74,9 @@ def calibrate_noise_multiplier(
     check_choice("accountant", accountant, ACCOUNTANT_NAMES)
     planned = _planned_mechanisms(sample_rate, steps)
     prior = as_events(prior_history)
+    target_epsilon -= epsilon_per_step * (total_steps(prior) + sum(count for _, count in planned))
+    if target_epsilon <= 0:
+        raise ValueError(f"the floating-point term of {epsilon_per_step:.3g} per step leaves no budget for the steps")
 
     def history(noise_multiplier: float) -> tuple[SubsampledGaussian, ...]:
         return prior + tuple(SubsampledGaussian(noise_multiplier, rate, count) for rate, count in planned)
@@ -140,9 +146,11 @@ def max_steps_within_budget(
     accountant: AccountantName = "prv",
     prior_history: History = (),
     limit: int = 10_000_000,
+    epsilon_per_step: float = 0.0,
 ) -> int:
     """Largest ``t <= limit`` such that ``prior_history`` plus ``t`` steps at ``(noise_multiplier, sample_rate)``
-    spends at most ``target_epsilon``. Epsilon grows with ``t``, so a bisection finds it.
+    spends at most ``target_epsilon``, counting ``epsilon_per_step`` per step on top of the accountant's (as
+    :func:`calibrate_noise_multiplier`). Epsilon grows with ``t``, so a bisection finds it.
 
     Example:
         >>> max_steps_within_budget(2.0, 1.0, 10.0, 1e-5)  # full-batch steps at nu = 2
@@ -152,12 +160,17 @@ def max_steps_within_budget(
     prior = as_events(prior_history)
     planned = SubsampledGaussian(float(noise_multiplier), float(sample_rate), 0)
 
+    taken = total_steps(prior)
+
+    def budget(t: int) -> float:
+        return target_epsilon - epsilon_per_step * (taken + t)
+
     def fits(t: int) -> bool:
-        return compute_epsilon((*prior, planned.with_steps(t)), target_delta, accountant) <= target_epsilon
+        return compute_epsilon((*prior, planned.with_steps(t)), target_delta, accountant) <= budget(t)
 
     # RDP bounds PRV (zCDP it does not): no PRV grid of `limit` steps
     if accountant != "zcdp" and integer_order_rdp_epsilon((*prior, planned.with_steps(limit)), target_delta) <= (
-        target_epsilon
+        budget(limit)
     ):
         return limit
     # the common case: the planned run fits the budget (one evaluation). Not for an unbounded run's huge limit,

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_oso import _compat, planning
+from lightning_oso import _compat, exact_noise, planning
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
 from lightning_oso.callbacks._session import RunSession
 from lightning_oso.callbacks.arguments import (
@@ -150,6 +150,7 @@ class DPCallback(RunSession):
             self.accountant.accountant,
             self.accountant.history,
             limit,
+            epsilon_per_step=self.accountant.epsilon_per_step,
         )
         return noise, allowed
 
@@ -279,6 +280,14 @@ class DPCallback(RunSession):
             remaining = max(remaining, self._training.steps_per_epoch or 1)
         limit = int(planned) if math.isfinite(planned) else 10_000_000
         taken = self.accountant.steps
+        # the exact release's floating-point term, charged per step beside the accountant's epsilon: two rows of the
+        # model's size (OSO's gradient and materialised direction; one for the other rules) plus scalar queries
+        coordinates = sum(
+            p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"] if p.requires_grad
+        )
+        self.accountant.epsilon_per_step = max(
+            self.accountant.epsilon_per_step, exact_noise.floating_point_epsilon(2 * (coordinates + 1), 1)
+        )
         noise, allowed = self.plan(q, remaining, limit)
         self._planned_steps = trainer.global_step + remaining
         self.max_steps = taken + allowed
@@ -351,6 +360,7 @@ class DPCallback(RunSession):
             self.accountant.accountant,
             self.accountant.history,
             lambda: self.epsilon,
+            epsilon_per_step=self.accountant.epsilon_per_step,
         )
 
     # ------------------------------------------------------------------ per step

@@ -110,6 +110,7 @@ class PURDP(DPCallback):
             self.accountant.accountant,
             self.accountant.history,
             limit,
+            epsilon_per_step=self.accountant.epsilon_per_step,
         )
         return multiplier_at(first), allowed
 
