@@ -209,8 +209,8 @@ def grid_noise_std(std: Tensor, multiplier: float, coordinates: int) -> Tensor:
     sensitivity ``Delta = std / multiplier``; rounding ``coordinates`` values to the grid ``gamma <= std' 2^-30`` moves
     neighbours' indices apart by up to ``sqrt(coordinates)`` more, i.e. adds ``gamma sqrt(coordinates)`` to the
     sensitivity. With ``std' = std / (1 - nu sqrt(coordinates) 2^-30)``, ``nu = multiplier``, the ratio
-    ``std' / (Delta + gamma sqrt(coordinates))`` is at least ``nu``: the accountant's multiplier is kept. The check is on
-    settings alone (a host float): no device read.
+    ``std' / (Delta + gamma sqrt(coordinates))`` is at least ``nu``: the accountant's multiplier is kept. The check
+    is on settings alone (a host float): no device read.
 
     Raises:
         ValueError: ``nu sqrt(coordinates)`` reaches ``2^29`` (the grid would double the noise); lower the noise
