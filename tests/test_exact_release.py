@@ -1,0 +1,255 @@
+"""The exact release, tested as an attacker would read it (docs/algorithms.md, "The exact release").
+
+The attack: a record's share ``v`` of a coordinate that no other record touches. A float release ``fl(v + fl(sigma z))``
+is exact where the noise nearly cancels ``v`` (Sterbenz), so a small output is then a multiple of ``ulp(v) / 2``; without
+the record, a small output is a float of its own, finer binade. The attacker flags a coordinate whose output is small
+(``|r| < |v| / 16``) and on that lattice. Each coordinate is one Gaussian mechanism of sensitivity ``|v|``: its true and
+false positive rates must lie under the Gaussian trade-off curve ``TPR <= Phi(Phi^-1(FPR) + |v| / sigma)``, whatever the
+bits. Pooling many coordinates measures the rates precisely.
+
+Also: the sampler's law and its exact Bernoulli trials (the tails the accountant assumes), the grid's coupling (with the
+same noise, two neighbouring releases differ by the grid indices' difference only, within the charged sensitivity), and
+the floating-point term in the reported epsilon.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import norm
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import ToyModel, make_trainer
+from lightning_oso import OSODP, exact_noise, step
+from lightning_oso.clipping import FixedThresholdClipping
+from lightning_oso.per_sample import TensorSource
+
+
+def _ulp32(v: torch.Tensor) -> torch.Tensor:
+    """The float32 ulp of ``v``'s binade, as float64."""
+    _, exponent = torch.frexp(v.to(torch.float32).abs())
+    return torch.pow(torch.tensor(2.0, dtype=torch.float64), (exponent - 24).to(torch.float64))
+
+
+def _lattice_flags(released: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """The attacker's test per coordinate: the output is small and on the lattice of ``ulp32(share) / 2``."""
+    released, share = released.to(torch.float64), share.to(torch.float64).expand_as(released)
+    small = released.abs() < share.abs() / 16
+    on_lattice = torch.remainder(released, _ulp32(share) / 2) == 0
+    return small & on_lattice
+
+
+def _within_tradeoff(tpr: float, fpr: float, mu: float, trials: int) -> bool:
+    """``tpr <= Phi(Phi^-1(fpr) + mu)``, with four standard errors of both estimates as margin."""
+    fpr_high = min(1.0, fpr + 4 * math.sqrt(max(fpr, 1 / trials) / trials))
+    tpr_low = tpr - 4 * math.sqrt(max(tpr, 1 / trials) / trials)
+    return tpr_low <= norm.cdf(norm.ppf(fpr_high) + mu)
+
+
+@pytest.mark.slow
+def test_lattice_attack_on_the_noise_stage_is_within_the_gaussian_tradeoff():
+    """2,000,000 coordinates, each its own mechanism: a share ``v = 1`` (the canary's) or 0, noise of std 2 (printed
+    multiplier 2). The float32 release flagged 2.2% of the canary's coordinates at a 0.1% false positive rate, where a
+    Gaussian mechanism allows 0.5%."""
+    d, std = 2_000_000, 2.0
+    share = torch.ones(1, d)
+    stds = torch.tensor([std], dtype=torch.float64)
+    with_canary = step.add_gaussian_noise([share], stds, torch.Generator().manual_seed(1))[0][0]
+    without = step.add_gaussian_noise([torch.zeros(1, d)], stds, torch.Generator().manual_seed(2))[0][0]
+    tpr = _lattice_flags(with_canary, share[0]).double().mean().item()
+    fpr = _lattice_flags(without, share[0]).double().mean().item()
+    assert _within_tradeoff(tpr, fpr, mu=1 / std, trials=d), (tpr, fpr)
+
+
+PRIVATE_FEATURES = 100_000
+
+
+class _Canary(ToyModel):
+    """A zero-initialised linear layer; the canary alone has features 10..10+K, the others features 0..9 only."""
+
+    def __init__(self, features):
+        super().__init__(lr=1.0, net=torch.nn.Linear(features, 2))
+        torch.nn.init.zeros_(self.net.weight)
+        torch.nn.init.zeros_(self.net.bias)
+
+
+def _canary_data(with_canary: bool, seed: int, records: int = 64):
+    """``records`` records (a power of two: the division by ``B`` is then exact, so the attacker reads the release
+    itself); with the canary, the last one is it, else an ordinary record (replace-one: per private coordinate the
+    sensitivity is still the canary's share)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.zeros(records, 10 + PRIVATE_FEATURES)
+    x[:, :10] = torch.randn(records, 10, generator=generator)
+    y = torch.randint(0, 2, (records,), generator=generator)
+    if with_canary:
+        x[-1] = 0.0
+        x[-1, 10:] = 1.0
+        y[-1] = 0
+    return TensorDataset(x, y)
+
+
+def _recovered_releases(with_canary: bool, seed: int, tmp_path) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One full-batch OSO step from zero weights (lr 1): the released clipped-gradient sum on the canary's private
+    coordinates, recovered from the final weights and from the checkpoint's stored previous gradient."""
+    data = _canary_data(with_canary, seed)
+    model = _Canary(data.tensors[0].shape[1])
+    dp = OSODP(noise_multiplier=2.0, target_epsilon=50.0, target_delta=1e-5, initial_clip=1.0, seed=seed)
+    trainer = make_trainer([dp], max_steps=1, max_epochs=None)
+    trainer.fit(model, DataLoader(data, batch_size=len(data)))
+    batch = dp._training.expected_batch_size
+    weights = -model.net.weight.detach()[:, 10:].to(torch.float64) * batch  # w1 = 0 - lr * released / B
+    path = tmp_path / f"{with_canary}-{seed}.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["callbacks"][dp.state_key]["rule"]
+    stored = state["prev_gradient"][0][:, 10:].to(torch.float64) * batch
+    return weights.reshape(-1), stored.reshape(-1), float(dp.rule.gradient_noise_multiplier)
+
+
+@pytest.mark.slow
+def test_lattice_attack_end_to_end_through_the_trainer_and_a_checkpoint(tmp_path):
+    """The canary's clipped share on each of its 200,000 private weights is about ``+-0.5 / sqrt(2 * 100000)`` of
+    ``C = 1``: the attacker reads the final weights of a one-step run (zero-initialised, lr 1, full batch of 64) and
+    the previous gradient an ``OSODP`` checkpoint stores, pooled over 16 runs per world. The float32 release was
+    flagged about 8 times as often with the canary as without."""
+    share = torch.tensor(0.5 / math.sqrt(2 * PRIVATE_FEATURES))  # |g_out| = 0.5 per logit, |x| = 1: clipped to 1
+    flags: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    stored_flags: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    multiplier = 0.0
+    for seed in range(16):
+        for world in (True, False):
+            weights, stored, multiplier = _recovered_releases(world, seed, tmp_path)
+            flags[world].append(_lattice_flags(weights, share))
+            stored_flags[world].append(_lattice_flags(stored, share))
+    mu = float(share) / multiplier  # per coordinate: sensitivity |v| against noise C nu_g
+    for found in (flags, stored_flags):
+        hits, misses = torch.cat(found[True]).double(), torch.cat(found[False]).double()
+        tpr, fpr = hits.mean().item(), misses.mean().item()
+        assert _within_tradeoff(tpr, fpr, mu, trials=hits.numel()), (tpr, fpr)
+
+
+def test_neighbouring_releases_differ_by_their_grid_indices_only():
+    """The same noise, a record present or not (a huge record and a near-cancelling one): the two releases differ by
+    exactly ``gamma`` times the difference of the grid indices of the two sums, both are on the grid, and that
+    difference is within the charged sensitivity ``C + gamma sqrt(d)`` in L2."""
+    torch.manual_seed(0)
+    others = [torch.randn(20, 30, 7), torch.randn(20, 7)]
+    crafted = [torch.full((1, 30, 7), 3e30), torch.full((1, 7), -3e30)]  # clipped to norm C
+    cancelling = [torch.full((1, 30, 7), 1e-3) * torch.tensor([1.0, -1.0]).repeat(105).reshape(1, 30, 7), crafted[1]]
+    rule = FixedThresholdClipping(noise_multiplier=1.5, clip=0.7)
+    d = 30 * 7 + 7
+    for record in (crafted, cancelling):
+        releases = []
+        for batch in (others, [torch.cat([o, r]) for o, r in zip(others, record)]):
+            noise = step.gaussian_noise(torch.Generator().manual_seed(11))
+            releases.append(step.sanitise(TensorSource(batch), rule, expected_batch_size=1.0, add_noise=noise))
+        flat = [torch.cat([s[0].reshape(-1) for s in r.sums]) for r in releases]
+        std = exact_noise.grid_noise_std(rule.noise_stds()[0], rule.gradient_noise_multiplier, d)
+        gamma = float(exact_noise.power_of_two(exact_noise.grid_exponent(std), torch.device("cpu")))
+        indices = [f / gamma for f in flat]
+        for index in indices:
+            assert torch.equal(index, index.round())  # on the grid, whatever the data's low-order bits
+        assert (indices[1] - indices[0]).norm().item() * gamma <= 0.7 + gamma * math.sqrt(d)
+
+
+def test_grid_noise_keeps_the_accountants_multiplier():
+    """The noise drawn covers the grid's rounding: ``std' / (Delta + gamma sqrt(d)) >= std / Delta``."""
+    for multiplier, d in [(0.5, 10), (2.0, 10**6), (30.0, 10**9)]:
+        std = torch.tensor(0.37 * multiplier, dtype=torch.float64)
+        widened = exact_noise.grid_noise_std(std, multiplier, d)
+        gamma = exact_noise.power_of_two(exact_noise.grid_exponent(widened), torch.device("cpu"))
+        assert float(widened / (0.37 + gamma * math.sqrt(d))) >= multiplier
+    with pytest.raises(ValueError, match="too large for the exact release's grid"):
+        exact_noise.grid_noise_std(torch.tensor(1.0e9), 1.0e9, 10**6)
+
+
+# ----------------------------------------------------------------------------------------------------- the sampler
+def test_bernoulli_has_exactly_its_probability_far_below_float_resolution():
+    """``P(True) = p`` for every float64 ``p`` down to ``2^-195``: the trial for ``p = 0.75 * 2^-100`` is True exactly
+    when the first 100 bits of the uniform number are zero and its next bits are below 0.75; a 53-bit uniform float
+    (all earlier samplers) cannot express such a ``p`` at all."""
+    p = torch.tensor([0.75 * 2.0**-100], dtype=torch.float64)
+
+    def scripted(first_words):
+        words = list(first_words)
+
+        def source(count, device):
+            return torch.tensor([words.pop(0)] * count, dtype=torch.int64)
+
+        return source
+
+    # first word: 53-bit integer 0 (below 0.75 * 2^53) and 9 zero prefix bits; then zeros for bits 10..100
+    assert bool(exact_noise.bernoulli(p, scripted([0, 0, 0, 0])))
+    # a one at bit 70 of the uniform number (the first extra word's 61st bit): above p
+    assert not bool(exact_noise.bernoulli(p, scripted([0, 1 << (exact_noise.WORD_BITS - 61), 0, 0])))
+    # the mantissa test: the 53-bit integer 0.8 * 2^53 is not below 0.75 * 2^53
+    assert not bool(exact_noise.bernoulli(p, scripted([int(0.8 * 2**53) << 9, 0, 0, 0])))
+    generator = torch.Generator().manual_seed(3)
+    for value in (0.3, 0.7 * 2.0**-3, 0.9 * 2.0**-12):
+        n = 4_000_000
+        trials = exact_noise.bernoulli(torch.full((n,), value, dtype=torch.float64), exact_noise.torch_words(generator))
+        assert abs(trials.double().mean().item() - value) < 5 * math.sqrt(value / n)
+
+
+def test_discrete_gaussian_has_the_exact_law_tails_included():
+    """At a small scale (``s = 3``, Laplace scale 4) every bin's frequency, the tails beyond 3 sigma included,
+    matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square), and both signs and zero are counted once."""
+    n = 2_000_000
+    z = exact_noise.discrete_gaussian(
+        (n,), torch.tensor(3.0, dtype=torch.float64), exact_noise.torch_words(torch.Generator().manual_seed(5)), 2
+    )
+    ks = torch.arange(-40, 41)
+    law = torch.exp(-(ks.double() ** 2) / 18)
+    law /= law.sum()
+    counts = torch.bincount((z + 40).clamp(0, 80), minlength=81).double()
+    expected = law * n
+    keep = expected > 5
+    chi2 = (((counts - expected) ** 2) / expected)[keep].sum().item()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof)
+    tail = (z.abs() > 9).double().mean().item()
+    assert abs(tail - law[ks.abs() > 9].sum().item()) < 5 * math.sqrt(law[ks.abs() > 9].sum().item() / n)
+
+
+def test_release_scale_noise_has_the_requested_spread_and_is_not_truncated():
+    """At the release's scale (``s`` in ``[2^30, 2^31)``): unit variance and Gaussian kurtosis in units of ``s``, and
+    draws beyond 4.5 sigma at the Gaussian rate (torch's float32 normal stops at 5.77)."""
+    std = torch.tensor(1.7, dtype=torch.float64)
+    scale = std * exact_noise.power_of_two(-exact_noise.grid_exponent(std), torch.device("cpu"))
+    assert 2**30 <= float(scale) < 2**31
+    n = 2_000_000
+    z = exact_noise.discrete_gaussian((n,), scale, exact_noise.torch_words(torch.Generator().manual_seed(9)))
+    x = z.double() / scale
+    assert x.var().item() == pytest.approx(1.0, abs=5 * math.sqrt(2 / n))
+    assert (x**4).mean().item() / x.var().item() ** 2 == pytest.approx(3.0, abs=0.05)
+    beyond = (x.abs() > 4.5).double().sum().item()
+    expected = 2 * norm.sf(4.5) * n
+    assert abs(beyond - expected) < 5 * math.sqrt(expected) + 1
+
+
+def test_secure_rng_words_are_uniform_62_bit():
+    from lightning_oso.randomness import SecureRandom
+
+    words = SecureRandom().words(200_000)
+    assert words.dtype == torch.int64 and int(words.min()) >= 0 and int(words.max()) < 2**62
+    for bit in (0, 30, 61):
+        assert ((words >> bit) & 1).double().mean().item() == pytest.approx(0.5, abs=0.01)
+
+
+# ----------------------------------------------------------------------------------------------------- accounting
+def test_reported_epsilon_includes_the_floating_point_term():
+    """The DP callback charges ``2 x 2^-43`` per released integer per step beside the accountant's epsilon, and its
+    reported epsilon is the sum (still within the target)."""
+    model = ToyModel()
+    dp = OSODP(target_epsilon=3.0, target_delta=1e-5)
+    make_trainer([dp], max_epochs=1).fit(
+        model, DataLoader(TensorDataset(torch.randn(200, 10), torch.randint(0, 2, (200,))), batch_size=20)
+    )
+    coordinates = sum(p.numel() for p in model.parameters())
+    assert dp.accountant.epsilon_per_step == exact_noise.floating_point_epsilon(2 * (coordinates + 1), 1)
+    from lightning_oso.accounting import compute_epsilon
+
+    ideal = compute_epsilon(dp.accountant.history, 1e-5)
+    assert dp.epsilon == pytest.approx(ideal + dp.accountant.epsilon_per_step * dp.steps, rel=1e-12)
+    assert dp.epsilon <= 3.0
