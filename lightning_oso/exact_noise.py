@@ -60,7 +60,7 @@ BULK_SIGMAS = 12
 Words = Callable[[int, torch.device], Tensor]
 
 _MANTISSA_BITS = 53
-_PREFIX_BITS = WORD_BITS - _MANTISSA_BITS  # the low bits of a Bernoulli word: its first zero-prefix test
+_PREFIX_BITS = WORD_BITS - _MANTISSA_BITS  # below 2^-9, p 2^62 is no longer an integer
 _INV_E = math.exp(-1.0)
 
 
@@ -76,49 +76,42 @@ def torch_words(generator: torch.Generator | None) -> Words:
 # ----------------------------------------------------------------------------------------------------- Bernoulli
 def bernoulli(p: Tensor, words: Words) -> Tensor:
     """Independent trials with ``P(True) = p`` exactly, for float64 probabilities ``p`` in ``[0, 1]`` (one per
-    element; a ``p`` below ``2^-186`` counts as 0, NaN as 0).
+    element; a ``p`` below ``2^-195`` counts as 0, NaN as 0).
 
-    ``p = m 2^-k`` with ``m`` in ``[1/2, 1)``: a uniform number ``U`` is below ``p`` iff its first ``k`` bits are zero
-    and the rest, itself uniform, is below ``m``; ``m`` has 53 bits, so that last test is one integer comparison. The
-    first word gives the 53-bit integer and 9 bits of the prefix test; the rare trials that need more prefix bits draw
-    further words.
+    For ``p >= 2^-9``, ``p 2^62`` is an integer (``p`` has a 53-bit mantissa), so one uniform 62-bit word below it has
+    probability ``p``. A smaller ``p`` is ``2^-j`` times ``p 2^j`` in ``[2^-10, 2^-9)``: the first ``j`` bits of a
+    uniform number are zero (further words), and one word is below the integer ``p 2^j 2^62`` (trials this rare draw
+    their words alone).
     """
-    p = p.to(torch.float64)
-    mantissa, exponent = torch.frexp(p)  # p = mantissa * 2^exponent, mantissa in [0.5, 1)
-    zero_bits = (-exponent).to(torch.int64)  # k >= 0 for p < 1
-    threshold = (mantissa * 2.0**_MANTISSA_BITS).to(torch.int64)  # exact: m has 53 bits
-    word = words(p.numel(), p.device).reshape(p.shape)
-    below = (word >> _PREFIX_BITS) < threshold  # the 53-bit uniform integer against m 2^53
-    prefix = word & (2**_PREFIX_BITS - 1)
-    first = zero_bits.clamp(max=_PREFIX_BITS)
-    prefix_zero = (prefix >> (_PREFIX_BITS - first)) == 0
-    result = below & prefix_zero
-    # trials whose k exceeds the first word's prefix bits, and whose first bits were all zero: the next bits decide
-    longer = (zero_bits > _PREFIX_BITS) & result
-    if bool(longer.any()):  # a branch on the noise's own random bits, never on data
-        index = longer.nonzero().squeeze(1)
+    p = torch.nan_to_num(p.to(torch.float64), nan=0.0)
+    result = words(p.numel(), p.device).reshape(p.shape) < (p * 2.0**WORD_BITS).to(torch.int64)
+    small = (p < 2.0**-_PREFIX_BITS) & (p > 0)
+    if bool(small.any()):  # a branch on the trials' probabilities (noise, never data)
+        index = small.reshape(-1).nonzero().squeeze(1)
+        q = p.reshape(-1)[index]
+        _, exponent = torch.frexp(q)  # q = m 2^exponent, m in [1/2, 1)
+        zero_bits = (-_PREFIX_BITS - exponent).to(torch.int64)  # j >= 0: q 2^j in [2^-10, 2^-9)
+        # q 2^j = m 2^-9 with a 53-bit m: times 2^62 an exact integer again
+        threshold = (q * power_of_two(zero_bits.to(torch.float64), q.device) * 2.0**WORD_BITS).to(torch.int64)
+        accepted = words(index.numel(), q.device) < threshold
+        for _ in range(3):  # up to 3 * 62 leading zero bits: probabilities down to 2^-195 (then 0)
+            take = zero_bits.clamp(0, WORD_BITS)
+            extra = words(index.numel(), q.device)
+            accepted &= (extra >> (WORD_BITS - take)) == 0
+            zero_bits = zero_bits - take
         flat = result.reshape(-1)
-        remaining = zero_bits.reshape(-1)[index] - _PREFIX_BITS
-        still = torch.ones_like(remaining, dtype=torch.bool)
-        for _ in range(3):  # up to 9 + 3 * 62 prefix bits: probabilities down to 2^-195, then 0
-            take = remaining.clamp(0, WORD_BITS)
-            extra = words(index.numel(), p.device)
-            still &= (extra >> (WORD_BITS - take)) == 0
-            remaining = remaining - take
-        flat[index] = still & (remaining <= 0)
+        flat[index] = accepted & (zero_bits <= 0)
         result = flat.reshape(p.shape)
-    exact_one = p >= 1.0  # frexp(1) = (0.5, 1): the prefix test of a negative k is meaningless
-    return torch.where(exact_one, torch.ones_like(result), result & (p > 0))
+    return result
 
 
 def _geometric_inverse_e(count: int, device: torch.device, words: Words) -> Tensor:
     """How many ``Bernoulli(e^-1)`` trials succeed before the first failure (``P(V >= v) = e^-v``), per element."""
     successes = torch.zeros(count, dtype=torch.int64, device=device)
     active = torch.arange(count, device=device)
-    inverse_e = torch.tensor(_INV_E, dtype=torch.float64, device=device)
+    threshold = int(_INV_E * 2.0**WORD_BITS)  # exact: e^-1 >= 2^-9 (see bernoulli)
     while active.numel():
-        success = bernoulli(inverse_e.expand(active.numel()), words)
-        active = active[success]
+        active = active[words(active.numel(), device) < threshold]
         successes[active] += 1
     return successes
 
@@ -139,9 +132,12 @@ def discrete_laplace(count: int, device: torch.device, words: Words, scale_bits:
         uniform = word & (t - 1)
         negative = ((word >> scale_bits) & 1).bool()
         keep = bernoulli(torch.exp(-uniform.to(torch.float64) / t), words)  # U / t is exact: t is a power of 2
-        magnitude = uniform + t * _geometric_inverse_e(n, device, words)
-        keep &= ~(negative & (magnitude == 0))
-        out[pending[keep]] = torch.where(negative, -magnitude, magnitude)[keep]
+        kept = keep.nonzero().squeeze(1)
+        magnitude = uniform[kept] + t * _geometric_inverse_e(kept.numel(), device, words)
+        sign = negative[kept]
+        valid = ~(sign & (magnitude == 0))  # -0 is drawn again: 0 counted once
+        out[pending[kept[valid]]] = torch.where(sign, -magnitude, magnitude)[valid]
+        keep[kept[~valid]] = False
         pending = pending[~keep]
     return out
 

@@ -167,8 +167,8 @@ def test_grid_noise_keeps_the_accountants_multiplier():
 # ----------------------------------------------------------------------------------------------------- the sampler
 def test_bernoulli_has_exactly_its_probability_far_below_float_resolution():
     """``P(True) = p`` for every float64 ``p`` down to ``2^-195``: the trial for ``p = 0.75 * 2^-100`` is True exactly
-    when the first 100 bits of the uniform number are zero and its next bits are below 0.75; a 53-bit uniform float
-    (all earlier samplers) cannot express such a ``p`` at all."""
+    when the first 91 bits of the uniform number are zero and its next 62 bits are below ``0.75 * 2^53``; a 53-bit
+    uniform float cannot express such a ``p`` at all."""
     p = torch.tensor([0.75 * 2.0**-100], dtype=torch.float64)
 
     def scripted(first_words):
@@ -179,12 +179,13 @@ def test_bernoulli_has_exactly_its_probability_far_below_float_resolution():
 
         return source
 
-    # first word: 53-bit integer 0 (below 0.75 * 2^53) and 9 zero prefix bits; then zeros for bits 10..100
-    assert bool(exact_noise.bernoulli(p, scripted([0, 0, 0, 0])))
-    # a one at bit 70 of the uniform number (the first extra word's 61st bit): above p
-    assert not bool(exact_noise.bernoulli(p, scripted([0, 1 << (exact_noise.WORD_BITS - 61), 0, 0])))
-    # the mantissa test: the 53-bit integer 0.8 * 2^53 is not below 0.75 * 2^53
-    assert not bool(exact_noise.bernoulli(p, scripted([int(0.8 * 2**53) << 9, 0, 0, 0])))
+    # the words: one for every trial, then for this rare one: its 62-bit comparison word and 3 words of leading bits
+    below = int(0.75 * 2**53) - 1  # the comparison word just below the integer p 2^91 2^62 = 0.75 * 2^53
+    assert bool(exact_noise.bernoulli(p, scripted([0, below, 0, 0, 0])))
+    # a one at bit 70 of the uniform number (bit 8 of the second word of leading bits): above p
+    assert not bool(exact_noise.bernoulli(p, scripted([0, below, 0, 1 << (exact_noise.WORD_BITS - 8), 0])))
+    # the comparison word at the integer itself: not below
+    assert not bool(exact_noise.bernoulli(p, scripted([0, below + 1, 0, 0, 0])))
     generator = torch.Generator().manual_seed(3)
     for value in (0.3, 0.7 * 2.0**-3, 0.9 * 2.0**-12):
         n = 4_000_000
