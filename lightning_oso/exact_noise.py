@@ -21,8 +21,8 @@ The sampler (CKS20, Algorithms 1-3, vectorised over all coordinates at once):
 
 Every probability the sampler uses is a float64 number, and each Bernoulli trial has exactly that probability, so the
 law of the output differs from ``N_Z(0, s^2)`` only through the float64 rounding of those probabilities: within a
-factor ``exp(+-SAMPLER_LOG_RATIO_BOUND)`` of the exact probability mass of every integer within 12 standard deviations
-(docs/algorithms.md derives the bound), and with more mass outside that range than the ideal law nowhere.
+factor ``exp(+-SAMPLER_LOG_RATIO_BOUND)`` of the exact probability mass of every integer within 16 standard deviations
+(docs/algorithms.md derives the bound); beyond that, both laws have less than ``2^-189`` of mass.
 
 Random bits come as int64 *words* of :data:`WORD_BITS` uniform bits each, from a torch generator (power-of-two ranges
 only: torch reduces a 64-bit draw modulo the range, which is exact for a power of two) or the operating system's
@@ -49,12 +49,13 @@ LAPLACE_BITS = GRID_BITS + 1
 MAX_GRID_INDEX = 2**52
 #: Bound on ``|log(Q(k) / P(k))|``, for the sampler's law ``Q`` and the rounded continuous Gaussian ``P`` (the
 #: mechanism the accountant prices, see docs/algorithms.md), at every integer within :data:`BULK_SIGMAS` standard
-#: deviations: float64 evaluation of ``exp(-x)`` for ``x <= 72`` (at most ``2^-44.8`` relative), of ``exp(-U/t)`` and of
-#: ``e^-1`` raised to the geometric count (``2^-48``), the normalisation (twice the sum), and the gap between the
-#: discrete and the rounded continuous Gaussian at ``s >= 2^30`` (``2^-57``), with margin.
-SAMPLER_LOG_RATIO_BOUND = 2.0**-43
-#: Where :data:`SAMPLER_LOG_RATIO_BOUND` holds; beyond it both laws have mass below ``2^-100`` per coordinate.
-BULK_SIGMAS = 12
+#: deviations: the float64 evaluation of the acceptance ``exp(-x)`` for ``x <= 120`` (within ``2^-44`` relative), of
+#: ``exp(-U/t)`` (``2^-52``) and the geometric count's ``e^-1`` (at most 17 factors: ``2^-49``), twice over for the
+#: normalisation, plus the gap between the discrete and the rounded continuous Gaussian at ``s >= 2^30`` (``2^-57``),
+#: with a factor 2 of margin.
+SAMPLER_LOG_RATIO_BOUND = 2.0**-42
+#: Where :data:`SAMPLER_LOG_RATIO_BOUND` holds; beyond it both laws have mass below ``2^-189`` per coordinate.
+BULK_SIGMAS = 16
 
 #: ``words(count, device) -> count`` int64 tensors of :data:`WORD_BITS` uniform bits each.
 Words = Callable[[int, torch.device], Tensor]

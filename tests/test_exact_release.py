@@ -240,7 +240,7 @@ def test_secure_rng_words_are_uniform_62_bit():
 
 # ----------------------------------------------------------------------------------------------------- accounting
 def test_reported_epsilon_includes_the_floating_point_term():
-    """The DP callback charges ``2 x 2^-43`` per released integer per step beside the accountant's epsilon, and its
+    """The DP callback charges ``2 x 2^-42`` per released integer per step beside the accountant's epsilon, and its
     reported epsilon is the sum (still within the target)."""
     model = ToyModel()
     dp = OSODP(target_epsilon=3.0, target_delta=1e-5)
