@@ -265,12 +265,14 @@ class _Module(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        # the loss from float32 outputs: under bf16-true the private step refuses a mean loss formed in bfloat16 (its
+        # division by the batch size would round every record's gradient at a scale set by the private batch size)
         if x.shape[0] == 0:
             # an empty Poisson batch (DP sampling draws each record independently): GPT-2's attention cannot reshape
             # an empty batch, so one all-zero record runs with its loss times 0. Its per-sample gradient is exactly
             # zero, so the step releases the noise alone, as an empty batch does (examples/dp_lora_gpt2.py)
-            return self.loss(self.net(x.new_zeros(1, *x.shape[1:])), y.new_zeros(1, *y.shape[1:])) * 0.0
-        return self.loss(self.net(x), y)
+            return self.loss(self.net(x.new_zeros(1, *x.shape[1:])).float(), y.new_zeros(1, *y.shape[1:])) * 0.0
+        return self.loss(self.net(x).float(), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -41,16 +41,17 @@ from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_oso import per_sample
-from lightning_oso.per_sample import BookKeeping
+from lightning_oso.per_sample import BookKeeping, loss_scale
 from lightning_oso.synthetic import batch_and_leave_one_out
 from lightning_oso.validation import PrivacyConfigurationError
 
 #: Records in the synthetic batch (the leave-one-out batch has one fewer). Small: the checks cost three forward and
-#: backward passes on it once per fit; large enough that the reduction's factor ``n/(n-1) = 4/3`` is far from 1.
+#: backward passes on it once per fit (and a forward pass more in a 16-bit run, for the loss's dtype); large enough
+#: that the reduction's factor ``n/(n-1) = 4/3`` is far from 1.
 SIZE = 4
 #: Per-sample norms at or below this carry no signal for leave-one-out: a loss whose gradients vanish on the
-#: synthetic batch leaves only the norm bounds' underflow terms (``per_sample.norm_bounds``: ~1e-38 per operation,
-#: times the batch size for a mean loss), which scale with ``n`` like a mismatched reduction would.
+#: synthetic batch leaves only the norm bounds' underflow terms (``per_sample.norm_bounds``: ~1e-38 per operation),
+#: which can differ between the passes as a mismatched reduction's norms would.
 VANISHING = 1e-30
 #: Seeds of torch's generators for ``training_step`` in the check's passes (its own randomness, e.g. dropout, never
 #: the DP noise): the same seed in the passes that must agree, another one in the pass that asks whether
@@ -126,12 +127,15 @@ def check_consistency(
     module = strategy.lightning_module
     rtol = RTOL
     half = _computes_in_half(strategy, params)
+    if half:
+        with _isolated(strategy, module):
+            _check_loss_dtype(strategy, module, full)
     with _isolated(strategy, module), _float32_check(strategy, module) if half else contextlib.nullcontext():
         try:
             first = _run(strategy, module, params, full, size, native=not half)
             if first.n != size:
                 raise PrivacyConfigurationError(_BATCH_DIM.format(n=size, what=_rows(first.n)))
-            _check_additivity(module, params, first, strategy.loss_reduction)
+            _check_additivity(module, params, first)
             second = _run(strategy, module, params, reduced, size - 1, native=not half)
             if second.n != size - 1:
                 raise PrivacyConfigurationError(_BATCH_DIM.format(n=size - 1, what=_rows(second.n)))
@@ -165,22 +169,15 @@ class _Pass:
         self.norms, self.sums, self.grads, self.n = norms, sums, grads, n
 
 
-def _run(
-    strategy: Any,
-    module: Any,
-    params: Sequence[nn.Parameter],
-    batch: Any,
-    size: int,
-    seed: int = STEP_SEED,
-    native: bool = True,
-) -> _Pass:
-    """training_step, backward and the per-sample path on ``batch`` (of ``size`` records), from a clean state: in the
-    run's precision (``native``: the precision plugin converts the batch and wraps training_step, as in the training
-    loop), or in float32 with autocast off (inside ``_float32_check``)."""
-    hooks = strategy._hooks
+def _loss(
+    strategy: Any, module: Any, batch: Any, seed: int = STEP_SEED, native: bool = True, grad: bool = True
+) -> Tensor:
+    """training_step's loss on ``batch``, from a clean state: in the run's precision (``native``: the precision
+    plugin converts the batch and wraps training_step, as in the training loop), or in float32 with autocast off
+    (inside ``_float32_check``); ``grad=False``: without autograd's graph, nor the hooks' state."""
     for p in module.parameters():
         p.grad = None
-    _reset_hooks(hooks, module)
+    _reset_hooks(strategy._hooks, module)
     # inside the fork: a training_step drawing random numbers draws the same ones in each pass
     torch.default_generator.manual_seed(seed)
     device = strategy.root_device
@@ -194,18 +191,51 @@ def _run(
             batch = plugin.convert_input(batch)
         args = (batch, 0) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else (batch,)
         context = plugin.train_step_context() if native else torch.autocast(device.type, enabled=False)
-        with context, torch.enable_grad():
+        with context, torch.set_grad_enabled(grad):
             output = module.training_step(*args)
     except Exception as err:
         _refuse_fullgraph(err)
         raise _CannotRun(f"training_step raised {type(err).__name__}: {err}") from err
     loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or (grad and not loss.requires_grad):
         raise _CannotRun("training_step returned no loss to backpropagate")
+    return loss
+
+
+def _check_loss_dtype(strategy: Any, module: Any, batch: Any) -> None:
+    """A 16-bit run's loss dtype, from one forward pass in the run's precision on the synthetic batch (the other
+    passes run in float32): a mean loss in 16 bits is refused (``per_sample.loss_scale``) before any private batch.
+    Nothing is refused here if training_step cannot run (the float32 passes say why, and the private step's
+    backward refuses such a loss by its dtype)."""
+    try:
+        loss = _loss(strategy, module, batch, grad=False)
+    except _CannotRun:
+        return
+    finally:
+        _reset_hooks(strategy._hooks, module)
+    loss_scale.check_loss_dtype(loss.dtype, strategy.loss_reduction)
+
+
+def _run(
+    strategy: Any,
+    module: Any,
+    params: Sequence[nn.Parameter],
+    batch: Any,
+    size: int,
+    seed: int = STEP_SEED,
+    native: bool = True,
+) -> _Pass:
+    """training_step (``_loss``), backward and the per-sample path on ``batch`` (of ``size`` records), the loss
+    scaled as the private step scales it (``per_sample.loss_scale``: each record's loss with the weight 1)."""
+    hooks = strategy._hooks
+    loss = _loss(strategy, module, batch, seed, native)
     if not bool(torch.isfinite(loss.detach()).all()):
         raise _CannotRun("the loss is not finite (NaN or inf)")
+    records = per_sample.forward_batch_size(hooks, module)
     try:
-        loss.backward()
+        loss_scale.scale_loss(loss, strategy.loss_reduction, records).backward()
+    except PrivacyConfigurationError:
+        raise
     except Exception as err:
         raise _CannotRun(f"backward raised {type(err).__name__}: {err}") from err
     params = list(params)
@@ -230,12 +260,12 @@ def _rows(got: int) -> str:
     return f"the layers' inputs have {got} rows along dim 0, giving {got} per-sample gradients"
 
 
-def _check_additivity(module: Any, params: Sequence[nn.Parameter], run: _Pass, loss_reduction: str) -> None:
-    """The per-sample gradients add up to autograd's gradient (times n for a mean loss), parameter by parameter."""
-    scale = float(run.n) if loss_reduction == "mean" else 1.0
+def _check_additivity(module: Any, params: Sequence[nn.Parameter], run: _Pass) -> None:
+    """The per-sample gradients add up to autograd's gradient, parameter by parameter (both of the loss as the
+    private step backpropagates it: a mean already times n)."""
     names = {id(p): name for name, p in module.named_parameters()}
     for p, s, grad in zip(params, run.sums, run.grads):
-        expected = grad * scale if grad is not None else torch.zeros_like(p)
+        expected = grad if grad is not None else torch.zeros_like(p)
         atol = 1e-5 * (1 + float(expected.abs().max())) if expected.numel() else 0.0
         if not torch.allclose(s.to(expected.dtype), expected, rtol=1e-3, atol=atol):
             raise PrivacyConfigurationError(_TIED.format(name=names.get(id(p), tuple(p.shape))))

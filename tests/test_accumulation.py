@@ -335,9 +335,9 @@ def test_per_sample_state_is_that_of_a_micro_batch(monkeypatch):
     rows = []
     original = PrivateTraining._add_micro_batch
 
-    def spy(self, optimizer):
+    def spy(self, optimizer, *args, **kwargs):
         rows.append(max((p.grad_sample.shape[0] for p in self._trainable(optimizer)), default=0))
-        return original(self, optimizer)
+        return original(self, optimizer, *args, **kwargs)
 
     monkeypatch.setattr(PrivateTraining, "_add_micro_batch", spy)
     model = ToyModel(net=nn.Sequential(nn.Linear(10, 2)))

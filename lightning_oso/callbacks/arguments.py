@@ -81,7 +81,11 @@ _SHARED_ARGS_DOC = {
             ``"rdp"``, or a :class:`~lightning_oso.PrivacyAccountant` whose history this run continues (e.g. the
             earlier runs of a grid search): the budget then covers that history and this run together.""",
     "loss_reduction": """loss_reduction: how ``training_step``'s loss reduces over the batch: ``"mean"`` (default) or
-            ``"sum"``.""",
+            ``"sum"``. The private step backpropagates a mean times the batch size, so that each record's gradient
+            is its own loss's in every precision; a mean must therefore be formed in float32 or wider (e.g.
+            ``F.cross_entropy(logits.float(), y)`` under ``precision="bf16-true"``): one returned in 16 bits is
+            refused, since its division by the batch size, which is private, would round every record's
+            gradient.""",
     "seed": """seed: the root of the run's randomness (an int, or a numpy ``SeedSequence``): the Poisson sampling and
             the noise of every step come from streams derived from it (per purpose, process and step). ``None``
             (default): 128 bits from the operating system, so no two runs share noise (``seed_everything`` does

@@ -13,11 +13,15 @@ gradients where that is cheaper (ghost norm, Goodfellow 2015 and Li et al. 2022;
   (exact: Opacus' per-sample gradient function for its type, else ``torch.func``, else one record at a time);
 - ``parts``: per-sample gradients held as tensors, what the layer parts share, and the part of a tied parameter
   (one registered by several layers: its per-sample gradient is the sum of its uses', ``parts.tied``);
-- ``norm_bounds``: the rounding model that makes every norm an upper bound of the true one.
+- ``norm_bounds``: the rounding model that makes every norm an upper bound of the true one;
+- ``loss_scale``: the loss the private step backpropagates, scaled so that each record's output gradients are its
+  own loss's before they reach a 16-bit layer (a mean's ``1/n`` would round them at a scale set by the private
+  batch size ``n``).
 
 One backward pass. Per layer, a forward hook keeps the layer's input ``a`` and a tensor hook the gradient ``b`` of
-the loss with respect to the layer's output (for a mean loss, ``n b_i`` is sample ``i``'s own; the factor ``n`` is
-applied to the norms and the weights, not to ``b``). For Linear, Conv (unfolded) and Embedding (one-hot input) the
+the loss with respect to the layer's output (the private step backpropagates a mean loss times ``n``, so that
+``b_i`` is sample ``i``'s own, see ``loss_scale``; hooks attached for a mean apply the factor ``n`` to the norms and
+the weights instead, which is exact in float32 only). For Linear, Conv (unfolded) and Embedding (one-hot input) the
 weight's per-sample gradient is an outer-product sum over positions ``t``, ``G_i = sum_t b_it a_it^T``, so
 
 - ghost norm: ``||G_i||^2 = sum_{t,s} (a_it . a_is)(b_it . b_is)``, cost ``~ T^2 (d_in + d_out)`` per sample;
@@ -83,6 +87,7 @@ from lightning_oso.per_sample.sources import (
     TensorSource,
     attach,
     detach,
+    forward_batch_size,
     source,
 )
 
@@ -97,6 +102,7 @@ __all__ = [
     "attach",
     "detach",
     "fast_path",
+    "forward_batch_size",
     "per_sample_norms",
     "register_fast_path",
     "source",

@@ -3,10 +3,12 @@ computation layer by layer.
 
 Per layer that owns trainable parameters, a forward hook keeps the layer's input ``a`` and a tensor hook the gradient
 ``b`` of the loss with respect to the layer's output (for a mean loss, ``n b_i`` is sample ``i``'s own; the factor
-``n`` is applied to the norms and the weights, not to ``b``). The layer's function from the registry (``registry``:
-linear, conv, embedding, normalisation layers) turns them into its part of the norms and sums; a layer the registry
-does not cover goes to the exact fallback (``fallback``). A parameter registered by several layers (a tied weight)
-gets one part of its own, the sum of its uses' (``parts.tied``).
+``n`` is applied to the norms and the weights, not to ``b``; the private step instead attaches the hooks for a sum
+and scales the loss by ``n`` before backward, so that ``b_i`` is already sample ``i``'s own: see ``loss_scale``).
+The layer's function from the registry (``registry``: linear, conv, embedding, normalisation layers) turns them into
+its part of the norms and sums; a layer the registry does not cover goes to the exact fallback (``fallback``). A
+parameter registered by several layers (a tied weight) gets one part of its own, the sum of its uses'
+(``parts.tied``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ class BookKeeping:
     Args:
         module: the model (its class and forward stay as they are).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch (a mean loss's output gradients
-            are multiplied by the batch size, so that each sample's is its own loss's gradient).
+            are multiplied by the batch size, so that each sample's is its own loss's gradient). ``"mean"`` is exact
+            in float32 only: in a 16-bit backward ``b`` was rounded at the scale ``1/n``, so one sample's presence
+            changes the others' rounding. The private step attaches ``"sum"`` and backpropagates the loss scaled by
+            ``n`` in float32 (``loss_scale.scale_loss``).
 
     Use per step: backward, then :meth:`norms`, then :meth:`weighted_sums` with the rule's weights, then
     :meth:`clear`.
@@ -109,6 +114,9 @@ class BookKeeping:
         self._eager: dict[nn.Module, Any] = {}
         self._forward_batch = 0  # the largest dim 0 of a hooked layer's input since the last clear
         self.batch_size: int | None = None  # of the last backward pass; None if no hooked layer received a gradient
+        #: the largest dim 0 of the hooked layers' outputs since the last clear: the batch size that the coming
+        #: backward pass's output gradients, and so the per-sample norms, will have (0 if no hooked layer ran)
+        self.forward_batch_size = 0
         self.several_backward_passes = False
 
     # --- hooks
@@ -163,6 +171,8 @@ class BookKeeping:
             output = replaced = output + self._anchor(output)
         if not output.requires_grad:
             return None  # a forward that backward will not reach
+        if output.dim() > 0:
+            self.forward_batch_size = max(self.forward_batch_size, output.shape[0])
         calls = self._inputs.setdefault(layer, [])
         inputs, keywords = _bind(layer, inputs, keywords)
         calls.append(tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs))

@@ -73,6 +73,22 @@ def detach(hooks: Hooks | None) -> None:
         hooks.cleanup()
 
 
+def forward_batch_size(hooks: Hooks | None, module: nn.Module | None) -> int:
+    """The records of the last forward pass, counted as the coming backward pass's per-sample gradients will count
+    them (0 if no hooked layer ran): the largest dim 0 of the hooked layers' outputs (book-keeping hooks), or of the
+    last input that Opacus' hooks keep per layer, or a recurrent layer's ``max_batch_len`` (Opacus' own count).
+    Known before backward, so that the loss can be scaled by it (``loss_scale``)."""
+    if isinstance(hooks, BookKeeping):
+        return hooks.forward_batch_size
+    rows = 0
+    for m in module.modules() if module is not None else ():
+        rows = max(rows, int(getattr(m, "max_batch_len", 0) or 0))
+        for inputs in getattr(m, "activations", None) or ():
+            if inputs and isinstance(inputs[-1], Tensor) and inputs[-1].dim() > 0:
+                rows = max(rows, inputs[-1].shape[0])
+    return rows
+
+
 def source(hooks: Hooks | None, params: Sequence[Tensor]) -> PerSampleSource:
     """The source of the last backward pass's per-sample norms and sums for ``params``: from the fast path's
     ``hooks``, or else from the per-sample gradients Opacus' hooks left in ``p.grad_sample``.

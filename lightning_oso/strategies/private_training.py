@@ -5,8 +5,10 @@
 2. Hooks attached to the user's module without wrapping it keep what backward needs for per-sample norms and sums
    (``per_sample.attach``): each layer's input and output gradient (``per_sample.BookKeeping``, the default fast
    path) or, with ``grad_sample_mode="hooks"``, every per-sample gradient (Opacus' hooks fill ``p.grad_sample``).
-3. ``backward``: after each backward pass, the batch's per-sample norms -> the clipping rule's weights -> weighted
-   sums (``step.clip_and_sum``), added to the logical batch's sums; the per-sample state is let go.
+3. ``backward``: the loss is backpropagated scaled so that every record's own loss has the weight 1
+   (``per_sample.loss_scale``: a mean's ``1/n`` never reaches 16-bit arithmetic); then the batch's per-sample norms
+   -> the clipping rule's weights -> weighted sums (``step.clip_and_sum``), added to the logical batch's sums; the
+   per-sample state is let go.
 4. ``optimizer_step`` runs Lightning's closure (forward + backward), then replaces every gradient by its
    sanitised value (``step.release``: noise -> sum across processes -> division by ``B``), *before* the
    ``on_before_optimizer_step`` hooks and the optimizer see it, then steps, then lets the rule update itself
@@ -16,7 +18,8 @@ With ``Trainer(accumulate_grad_batches=k)`` the Poisson sampler yields each logi
 ``q = k * batch_size * world_size / N``) as ``k`` micro-batches (``data.PoissonBatchSampler``); Lightning runs
 training_step and backward on each, and the optimizer step after the k-th: the clipped sums of the k micro-batches
 are added up in 3, and 4 noises, reduces, records and accounts them once. Lightning divides each micro-batch's loss
-by k; ``backward`` multiplies it back, so that every sample's gradient is its own loss's, as without accumulation.
+by k; ``backward`` multiplies it back (with the micro-batch's size, for a mean) before the backward pass, so that every
+sample's gradient is its own loss's, as without accumulation.
 
 The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
 the accounting.
@@ -36,7 +39,7 @@ from lightning_oso import checks, per_sample
 from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, norm_bounds
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, loss_scale, norm_bounds
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
 from lightning_oso.step import (
@@ -173,7 +176,9 @@ class PrivateTraining(_StrategyBase):
     def attach_hooks(self) -> None:
         """Attach the per-sample hooks to the user's module (its class and forward stay as they are)."""
         if self._hooks is None and self.lightning_module is not None:
-            self._hooks = per_sample.attach(self.lightning_module, self.grad_sample_mode, self.loss_reduction)
+            # attached for a sum whatever the loss's reduction: ``backward`` scales a mean loss by the batch size
+            # before the backward pass (``loss_scale``), so the hooks multiply nothing back
+            self._hooks = per_sample.attach(self.lightning_module, self.grad_sample_mode, "sum")
 
     def detach_hooks(self) -> None:
         per_sample.detach(self._hooks)
@@ -206,27 +211,36 @@ class PrivateTraining(_StrategyBase):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward pass, then this (micro-)batch's clipped sums are added to the logical batch's
-        (``step.clip_and_sum``) and its per-sample state is let go: peak memory is that of one micro-batch."""
+        """Lightning's backward pass of the loss scaled so that every record's own loss has the weight 1, then this
+        (micro-)batch's clipped sums are added to the logical batch's (``step.clip_and_sum``) and its per-sample
+        state is let go: peak memory is that of one micro-batch.
+
+        Raises:
+            PrivacyConfigurationError: a mean loss returned in 16 bits (``loss_scale.check_loss_dtype``), before the
+                backward pass.
+        """
         if self.rule is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.accumulation > 1:
-            # Lightning divides each micro-batch's loss by k; undone, so that every sample's gradient is that of
-            # its own loss, as in a step without accumulation (the clipping threshold means the same)
-            closure_loss = closure_loss * self.accumulation
+        # Lightning divided the micro-batch's loss by k, and a mean divides by the micro-batch's size n: both are
+        # multiplied back before the backward pass, so that every record's output gradients are its own loss's before
+        # any 16-bit layer rounds them (a 1/n rounded there would make each record's rounding depend on n, which is
+        # private), and the clipping threshold means the same with or without accumulation
+        records = per_sample.forward_batch_size(self._hooks, self.lightning_module)
+        scaled = loss_scale.scale_loss(closure_loss, self.loss_reduction, records, self.accumulation)
         try:
-            result = super().backward(closure_loss, optimizer, *args, **kwargs)
+            super().backward(scaled, optimizer, *args, **kwargs)
         finally:
             if isinstance(self._hooks, BookKeeping):
                 self._hooks.unfreeze()  # the trainable parameters are those that require gradients again
-        self._add_micro_batch(optimizer if optimizer is not None else self.optimizers[0])
-        return result
+        self._add_micro_batch(optimizer if optimizer is not None else self.optimizers[0], records)
+        return closure_loss.detach()
 
     def _trainable(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
         return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
-    def _add_micro_batch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Add the last backward pass's clipped sums to the logical batch's."""
+    def _add_micro_batch(self, optimizer: torch.optim.Optimizer, records: int | None = None) -> None:
+        """Add the last backward pass's clipped sums to the logical batch's (``records``: the batch size the loss was
+        scaled by, if it was)."""
         if self.rule is None:
             raise RuntimeError("the private step needs a DP callback's rule")
         source = per_sample.source(self._hooks, self._trainable(optimizer))
@@ -235,6 +249,15 @@ class PrivateTraining(_StrategyBase):
                 "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
                 "the trainable parameters. Under DP every step, including those on empty Poisson batches, must "
                 "return the loss to backpropagate."
+            )
+        if records is not None and not source.empty and source.batch_size != records:
+            source.release()
+            raise RuntimeError(
+                f"the trainable layers' outputs had up to {records} rows along dim 0 in the forward pass, but the "
+                f"per-sample gradients of the backward pass are {source.batch_size}: a trainable layer ran on inputs "
+                "with another batch dimension than the others (e.g. a flattened [n*T, ...] input, or an output that "
+                "the loss does not use), so the loss could not be scaled by the number of records. Every trainable "
+                "layer must see one row per record."
             )
         with norm_bounds.exact_float32_products(self.root_device):  # norms and sums in float32 or better
             self._clipped = clip_and_sum(source, self.rule, into=self._clipped)
