@@ -251,12 +251,18 @@ def test_pur_example_quick(tmp_path):
 
 @pytest.mark.slow
 def test_linear_scaling_example_quick(tmp_path):
-    """One budget, one seed: linear scaling and random search spend at most the budget; the oracle's (uncharged)
-    cost is reported above it; table and plots written."""
+    """One budget, one seed: linear scaling and random search spend at most the budget, their private choices
+    included; the oracle's (uncharged) cost is reported above it; table and plots written."""
     (row,) = linear_scaling.main(["--quick", "--workers", "1", "--out", str(tmp_path)])
     assert row["linear_scaling_epsilon"] <= 2.0 and row["random_search_epsilon"] <= 2.0
     assert row["grid_oracle_uncharged_epsilon"] > 2.0
     assert "NOT charged" in (tmp_path / "linear_scaling.md").read_text()
+    # the choices are private and charged; the runs' un-noised training scores are not written out
+    saved = json.loads((tmp_path / "linear_scaling.json").read_text())
+    (run,) = saved["runs"]
+    assert run["result"]["selection"] == "noisy" and run["result"]["selection_epsilon"] == 0.05
+    assert run["linear_scaling"]["epsilon"] == pytest.approx(run["result"]["training_epsilon"] + 0.1)
+    assert all(math.isnan(t["score"]) for t in run["result"]["trials"])
     assert (tmp_path / "fit.png").stat().st_size > 10_000 and (tmp_path / "comparison.png").stat().st_size > 10_000
 
 
