@@ -7,10 +7,11 @@ Protocol, as in the paper: grids over the paper's ranges (``C`` in [1e-2, 1e2], 
 learning rates (``C_0 = 0.1``); FixedThreshold: ``k x k`` (lr, C); FixedQuantile: ``k x 5`` (lr, gamma; ``C_0 =
 0.1``, ``eta_C = 0.2``, ``sigma_b = B/20``); DPAdamWOSM: ``k`` thresholds (``alpha = 1e-3``); non-private: ``k``
 learning rates. One noise multiplier per (method, epsilon) is calibrated so that the composition of all the
-method's runs meets the per-grid budget; every configuration runs with several seeds (not charged, as in the
-paper, and the report says so), validates every epoch, and keeps its best checkpoint. Unlike the paper, which
-validated on the test set, we pick checkpoints and winners on a validation split and report the winner's test
-score (mean and std over seeds, each seed at its best validation checkpoint).
+method's runs, every seed's included, meets the per-grid budget (``--uncharged-seeds`` calibrates for one seed's pass
+instead, as the paper does, and each search then records what all its seeds spent); every configuration runs with
+several seeds, validates every epoch, and keeps its best checkpoint. Unlike the paper, which validated on the test
+set, we pick checkpoints and winners on a validation split and report the winner's test score (mean and std over
+seeds, each seed at its best validation checkpoint).
 
 Tasks: ``digits`` (scikit-learn's 8x8 digits, CNN, accuracy) and ``digits-ae`` (the same images through a
 convolutional autoencoder, MSE: the paper's Fashion-MNIST task shape); ``mnist-5k`` (real MNIST images: the
@@ -356,6 +357,8 @@ class Unit:
     #: the root of this search's DP randomness: a child of --dp-seed spawned for this search alone, so no two
     #: searches (methods, budgets) share noise streams
     dp_seed: np.random.SeedSequence | None = None
+    #: every seed's runs charged to the budget (False: --uncharged-seeds, the paper's protocol)
+    charge_seeds: bool = True
 
     @property
     def runs(self) -> int:
@@ -368,6 +371,9 @@ class Unit:
         fields = {
             k: v for k, v in self.__dict__.items() if k not in ("dp_seed", "data_dir")
         }  # data_dir: where files are, not what they are
+        if not self.charge_seeds:
+            # the protocol every search saved before seeds were charged: their identity had no such field
+            del fields["charge_seeds"]
         seed = self.dp_seed
         fields["dp_seed"] = None if seed is None else [str(seed.entropy), [int(x) for x in seed.spawn_key]]
         return json.loads(json.dumps(fields, default=list))
@@ -381,6 +387,8 @@ def unit_seed(root: int, unit: Unit) -> np.random.SeedSequence:
     size), so that each search has streams of its own, and the same ones whichever other searches a command runs
     (adding a budget to a resumable protocol leaves the saved searches valid)."""
     name = f"{unit.task}/{unit.method}/{unit.epsilon}/{unit.train_size}"
+    if unit.charge_seeds:  # its own streams: never the same noise as the uncharged protocol's search at this budget
+        name += "/seeds-charged"
     return np.random.SeedSequence(root, spawn_key=(zlib.crc32(name.encode()),))
 
 
@@ -457,6 +465,7 @@ def run_unit(unit: Unit, progress: bool = False) -> dict:
                 unit.batch_size / n_train,
                 steps_per_run,
                 seeds=unit.seeds,
+                charge_seeds=unit.charge_seeds,
                 mode=task.mode,
                 progress=progress,
                 seed=unit.dp_seed,
@@ -469,6 +478,7 @@ def run_unit(unit: Unit, progress: bool = False) -> dict:
             winner=result.winner,
             noise_multiplier=result.noise_multiplier,
             epsilon_spent=result.epsilon_spent,
+            epsilon_per_seed=result.epsilon_per_seed,
             report=result.report(),
             runs=[{"candidate": r.candidate, "seed": r.seed, "score": r.score, **r.metrics} for r in result.runs],
         )
@@ -516,8 +526,9 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
     unit = "test accuracy (%)" if task.metric == "accuracy" else "test MSE"
     better = "higher" if task.mode == "max" else "lower"
     lines = [
-        f"### {task_name}: {unit}, {better} is better (k={args.k}, {len(args.seed_list)} seeds, per-grid budget, "
-        f"delta={args.delta})",
+        f"### {task_name}: {unit}, {better} is better (k={args.k}, {len(args.seed_list)} seeds, per-grid budget"
+        + (", seeds not charged" if args.uncharged_seeds else "")
+        + f", delta={args.delta})",
         "",
         "| ε | " + " | ".join(METHODS) + " |",
         "|---|" + "---|" * len(METHODS),
@@ -551,11 +562,20 @@ def write_outputs(task_name: str, results: list[dict], args, out_dir: Path, elap
         )
     counts = ", ".join(f"{m}: {len(candidates_for(m, args.k, args.gammas))}" for m in (*METHODS, "NoDP"))
     refused = [f"{m} at ε={e:g}: {r['refused']}" for (m, e), r in by.items() if "refused" in r]
+    if args.uncharged_seeds:
+        spent = [r["epsilon_spent"] for r in mine if r.get("epsilon_spent") is not None]
+        seeds_text = (
+            "Not charged (as in the paper, --uncharged-seeds): the seed repeats; each grid's noise is calibrated "
+            "for one seed's pass, and all the seeds together spent up to "
+            f"epsilon={max(spent, default=math.nan):.2f} (each search's epsilon_spent in the .json). Also not charged"
+        )
+    else:
+        seeds_text = f"Every run is charged, all {len(args.seed_list)} seeds included. Not charged (as in the paper)"
     lines += [
         "",
         f"Candidates per grid: {counts}. Each run: {args.epochs} epochs, expected batch {args.batch_size}, "
-        f"validation every epoch, best checkpoint kept. Not charged (as in the paper): the seed repeats, and the "
-        f"choice of checkpoint and winner on un-noised validation scores.",
+        f"validation every epoch, best checkpoint kept. {seeds_text}: the choice of checkpoint and winner on "
+        "un-noised validation scores.",
     ]
     lines += [f"Refused: {text}" for text in refused]
     command = f"`python examples/compare_methods.py {' '.join(args.argv)}`"
@@ -641,7 +661,13 @@ def parse_args(argv):
     parser.add_argument("--k", type=int, help="grid granularity: values per axis (paper: 5, 7, 9; default 5)")
     parser.add_argument("--epsilons", type=float, nargs="+", help="per-grid budgets (default 1 2 4 8)")
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seeds", type=int, help="seeds per configuration, not charged (default 5)")
+    parser.add_argument("--seeds", type=int, help="seeds per configuration, all charged (default 5)")
+    parser.add_argument(
+        "--uncharged-seeds",
+        action="store_true",
+        help="the paper's protocol: calibrate each grid's noise for one seed's pass, not charging the repeats (each "
+        "search warns and records what all its seeds spent)",
+    )
     parser.add_argument("--epochs", type=int, help="epochs per run (default 10, as in the paper)")
     parser.add_argument("--batch-size", type=int, default=64, help="expected batch size B")
     parser.add_argument("--gammas", type=float, nargs="+", help="FixedQuantile's target quantiles (default 0.1 .. 0.9)")
@@ -721,6 +747,7 @@ def main(argv: list[str] | None = None) -> dict:
                         args.delta,
                         args.data_dir,
                         args.train_size,
+                        charge_seeds=not args.uncharged_seeds,
                     )
                 )
     for unit in units:

