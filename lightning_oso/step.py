@@ -12,28 +12,28 @@ private"). The tests call them too. The clipping rule (``lightning_oso.clipping`
 and how much noise each query gets; the weight functions it uses are the ones below.
 
 What depends on the run comes in as small callables: the noise (drawn by rank 0 only, from a stream keyed on the
-ledger's executed-step counter), the sum across processes, the ledger's write-ahead record, and the refusal message.
+ledger's executed-step counter), the sum across processes and the ledger's write-ahead record.
 
 A rule may declare its last rows *deferred* (``ClippingRule.DEFERRED_ROWS``; OSO's direction query): such a row is
 read by the rule only through one inner product with a later, independent vector, so it gets one scalar Gaussian
 draw instead of a model-sized one and is returned as a :class:`DeferredQuery`, which never releases its raw sum
 (docs/algorithms.md, "OSO-DPSGD", "One Gaussian draw per step").
 
-Every stage stays on the device of its inputs and reads nothing back to the host but one flag: whether a per-sample
-norm was non-finite, read after the sums and the noise are queued (on a GPU the device keeps working while the host
-waits). Such a step is refused on every process alike, before anything of it is released.
+Every stage stays on the device of its inputs and reads nothing back to the host. No record decides whether a step
+happens: a record whose per-sample norm is not finite (a NaN or inf in its gradient, or a norm beyond the float range)
+gets weight 0 in every sum, selected elementwise (``torch.where``, never a branch on the data), and the step is noised
+and charged as usual (docs/algorithms.md, "What is private").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from lightning_oso.errors import PrivateStepRefused
 from lightning_oso.per_sample.parts import sum_dtype
 from lightning_oso.randomness import SecureRandom, standard_normal_like
 
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 AddNoise = Callable[[list[Tensor], Tensor], list[Tensor]]
 #: ``tensors -> their sums over all processes`` (in place, same order).
 Reduce = Callable[[list[Tensor]], list[Tensor]]
-#: ``(non-finite norms on this process, batch size on this process)``: raise, the step is refused.
-Refuse = Callable[[int, int], NoReturn]
 
 
 class DeferredQuery:
@@ -128,14 +126,12 @@ class ClippedSums:
     Attributes:
         sums: per trainable parameter, the rule's weighted sums ``[k, *param.shape]``, in float32 or wider.
         scalars: the sums of the rule's scalar contributions (``[m]``), or ``None`` for a rule without scalars.
-        nonfinite: the number of non-finite per-sample norms (a 0-dim tensor on the device: no host read).
         norms: the per-sample norms of each micro-batch (their sizes, and the opt-in non-private diagnostics).
         micro_batches: how many micro-batches were added.
     """
 
     sums: list[Tensor]
     scalars: Tensor | None
-    nonfinite: Tensor
     norms: list[Tensor]
     micro_batches: int
 
@@ -154,23 +150,25 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
     Clipping is per sample, with the rule's current threshold (it changes only after the optimizer step), so the
     sum over the micro-batches of their clipped sums is the clipped sum of the logical batch, sample by sample.
     The sums are kept in float32 or wider whatever the dtype of the per-sample gradients.
+
+    A record whose norm is not finite (a NaN or inf in its per-sample gradient: its sensitivity is unbounded; or a
+    norm beyond the float range) gets weight 0 in every column and contributes 0 to every scalar query: it adds
+    exactly nothing (the layers keep its values out of the products, ``per_sample.parts.zero_unweighted``), as if it
+    were not in the batch. Selected elementwise, so nothing here depends on the data but the values of the sums.
     """
     norms = per_sample.norms()
-    weights = rule.weights(norms)
+    finite = torch.isfinite(norms).unsqueeze(1)
+    weights = torch.where(finite, rule.weights(norms), 0.0)
     # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter was
     # used may depend on the data
     sums = rule.queries(per_sample.weighted_sums(weights))
     per_sample.release()
     contributions = rule.scalar_queries(norms)
-    scalars = contributions.sum(dim=0) if contributions is not None else None
-    # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so a step holding one must not
-    # be released, not even noised over. The count travels with the sums, so every process refuses the same step.
-    nonfinite = count_nonfinite(norms)
+    scalars = torch.where(finite, contributions, 0.0).sum(dim=0) if contributions is not None else None
     if into is None:
         return ClippedSums(
             sums=[s.to(sum_dtype(s.dtype)) for s in sums],
             scalars=None if scalars is None else scalars.to(sum_dtype(scalars.dtype)),
-            nonfinite=nonfinite,
             norms=[norms],
             micro_batches=1,
         )
@@ -178,7 +176,6 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
         total.add_(s)
     if into.scalars is not None and scalars is not None:
         into.scalars.add_(scalars)
-    into.nonfinite = into.nonfinite + nonfinite
     into.norms.append(norms)
     into.micro_batches += 1
     return into
@@ -192,12 +189,11 @@ def release(
     add_noise: AddNoise,
     sum_across_processes: Reduce | None = None,
     record_step: Callable[[], None] | None = None,
-    refuse: Refuse | None = None,
     materialise_noise: AddNoise | None = None,
 ) -> SanitisedStep:
     """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: add noise ->
-    reduce across processes (with the refusal count) -> refuse a non-finite step or record it in the ledger ->
-    scale by the expected batch size. Arguments as in :func:`sanitise`."""
+    reduce across processes -> record it in the ledger -> scale by the expected batch size. Arguments as in
+    :func:`sanitise`."""
     stds = rule.noise_stds()
     vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
     dtype = clipped.sums[0].dtype if clipped.sums else torch.float32
@@ -211,21 +207,17 @@ def release(
         deferred = add_noise([torch.zeros(rule.DEFERRED_ROWS, dtype=dtype, device=stds.device)], stds[vectors:])
         deferred += [s[vectors:] for s in clipped.sums]  # views: never noised as vectors, never returned
 
-    # -> reduce across processes (the refusal flag with them)
-    totals = [*noisy, *noisy_scalars, *deferred, clipped.nonfinite.to(dtype).reshape(1)]
+    # -> reduce across processes
+    totals = [*noisy, *noisy_scalars, *deferred]
     if sum_across_processes is not None:
         totals = sum_across_processes(totals)
 
-    # the one host read of a step, after the sums and noise are queued (on a GPU the device keeps working while the
-    # host waits)
-    if bool(totals[-1].any()):
-        (refuse or refuse_step)(int(clipped.nonfinite), clipped.size)
     # the write-ahead record: charged (and on disk) before anything of the step can leave this function
     if record_step is not None:
         record_step()
 
     # -> scale
-    totals = average(totals[:-1], expected_batch_size)
+    totals = average(totals, expected_batch_size)
     released, totals = totals[: len(noisy)], totals[len(noisy) :]
     scalars, totals = totals[: len(noisy_scalars)], totals[len(noisy_scalars) :]
     queries = tuple(
@@ -250,7 +242,6 @@ def sanitise(
     add_noise: AddNoise,
     sum_across_processes: Reduce | None = None,
     record_step: Callable[[], None] | None = None,
-    refuse: Refuse | None = None,
     observe_norms: Callable[[Tensor], None] | None = None,
     materialise_noise: AddNoise | None = None,
 ) -> SanitisedStep:
@@ -265,20 +256,15 @@ def sanitise(
         expected_batch_size: ``B = qN`` over all processes, never the actual batch size (that is private).
         add_noise: the noise stage, e.g. :func:`gaussian_noise`; the strategy's draws on rank 0 only, so that each
             Gaussian is in the sum across processes exactly once.
-        sum_across_processes: adds up the queries (and the refusal flag) of all processes; ``None`` on one process.
-        record_step: the ledger's write-ahead record, called once the step is known to be released (after the
-            refusal check) and before anything of it is returned.
-        refuse: raises for a step with non-finite per-sample norms (default: :func:`refuse_step`, unnumbered).
+        sum_across_processes: adds up the queries of all processes; ``None`` on one process.
+        record_step: the ledger's write-ahead record, called before anything of the step is returned.
         observe_norms: opt-in, NOT private: sees the raw per-sample norms (the strategy's diagnostics).
         materialise_noise: the noise with which a deferred query is materialised (:meth:`DeferredQuery.materialise`),
             the same draw on every process (default: ``add_noise``, right on one process).
 
     Returns:
-        The released queries (:class:`SanitisedStep`).
-
-    Raises:
-        PrivateStepRefused: a per-sample gradient on some process is not finite (NaN or inf); nothing is released and
-            ``record_step`` is not called.
+        The released queries (:class:`SanitisedStep`). A record whose per-sample norm is not finite has weight 0 in
+        them (:func:`clip_and_sum`): the step is released, noised and charged whatever the records hold.
 
     Example:
         >>> import torch
@@ -303,7 +289,6 @@ def sanitise(
         add_noise=add_noise,
         sum_across_processes=sum_across_processes,
         record_step=record_step,
-        refuse=refuse,
         materialise_noise=materialise_noise,
     )
 
@@ -312,14 +297,15 @@ def sanitise(
 def _ratio(numerator: Tensor | float, norms: Tensor) -> Tensor:
     """``numerator / norms`` (one correctly rounded division, within ``u`` relative of the exact ratio), with a
     subnormal result flushed to 0: a subnormal's rounding is not relative, and 0 is the safe side. A zero norm
-    counts as the smallest normal one (its weight multiplies zeros)."""
+    counts as the smallest normal one (its weight multiplies zeros); a NaN or infinite norm gives 0."""
     tiny = torch.finfo(norms.dtype).tiny
     ratio = numerator / norms.clamp_min(tiny)
-    return torch.where(ratio < tiny, torch.zeros_like(ratio), ratio)
+    return torch.where(ratio >= tiny, ratio, 0.0)  # NaN >= tiny is False: a NaN norm's ratio is 0 too
 
 
 def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
-    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``."""
+    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``, 0 for a norm
+    that is not finite."""
     return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
 
 
@@ -327,9 +313,10 @@ def oso_split_weights(norms: Tensor, clip: Tensor) -> Tensor:
     """OSO's two sums with each record in one column only, shape ``[n, 2]``: column 0 holds the records left whole
     (``||g_i|| <= C_t``, weight 1), column 1 the unit directions of the clipped ones (weight ``1 / ||g_i||``, eq. 11).
     The clipped sum (eq. 4) is column 0 plus ``C_t`` times column 1 (:func:`clipped_sum_from_split`); a layer can
-    form the two columns with one product per record (``per_sample.parts.disjoint_groups``)."""
+    form the two columns with one product per record (``per_sample.parts.disjoint_groups``). A norm that is not
+    finite gets 0 in both columns (a NaN is neither ``<= C_t`` nor ``> C_t``; an infinite one has ``1 / inf = 0``)."""
     clipped = norms > clip
-    return torch.stack([(~clipped).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
+    return torch.stack([(norms <= clip).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
 
 
 def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
@@ -350,8 +337,13 @@ def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
 def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
     """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
     ``[n, 1]`` (docs/algorithms.md, "Quantile clipping"). Centring halves the sensitivity: adding or removing a record
-    moves the sum by 1/2."""
-    return ((norms <= clip).to(norms.dtype) - 0.5).unsqueeze(1)
+    moves the sum by 1/2.
+
+    A record whose norm is not finite (weight 0 in the clipped sum) contributes exactly 0, as if it were absent: not
+    ``-1/2``, which would count it as clipped and let it move ``b~_t``. Every contribution stays in ``{-1/2, 0,
+    1/2}``, so adding or removing any record still moves the sum by at most 1/2."""
+    count = (norms <= clip).to(norms.dtype) - 0.5
+    return torch.where(torch.isfinite(norms), count, 0.0).unsqueeze(1)
 
 
 # ----------------------------------------------------------------------------------------------------- noise
@@ -382,36 +374,6 @@ def _scalar_stds(rule: ClippingRule) -> Tensor:
     if stds is None:
         raise ValueError(f"{type(rule).__name__} has scalar queries but no scalar_noise_stds")
     return stds
-
-
-# ----------------------------------------------------------------------------------------------------- refusal
-def count_nonfinite(norms: Tensor) -> Tensor:
-    """The number of non-finite (NaN or inf) per-sample norms, as a 0-dim tensor on their device (no host read)."""
-    return (~torch.isfinite(norms)).sum()
-
-
-def refuse_step(nonfinite: int, size: int, step: int | None = None) -> NoReturn:
-    """Refuse a step whose per-sample norms are not all finite: ``nonfinite`` of this process's ``size`` samples (0:
-    another process's), in training step ``step``.
-
-    Raises:
-        PrivateStepRefused: always.
-    """
-    where = f"training step {step}" if step is not None else "this training step"
-    if nonfinite:
-        raise PrivateStepRefused(_NON_FINITE.format(count=nonfinite, size=size, where=where))
-    raise PrivateStepRefused(
-        f"{where} was refused by another process (non-finite per-sample gradients; its error says more): no process "
-        "applied it"
-    )
-
-
-_NON_FINITE = (
-    "the per-sample gradients of {count} of the {size} samples in {where} are not finite (NaN or inf): the step was "
-    "refused and training stopped, so no parameter, optimizer state or C_t was changed by it and nothing was "
-    "released (noising a NaN/inf over would not be private: its sensitivity is unbounded). Check the loss and the "
-    "data for NaN/inf values or lower the learning rate; a checkpoint from before this step resumes cleanly."
-)
 
 
 # ----------------------------------------------------------------------------------------------------- scale
