@@ -18,6 +18,7 @@ layer without a fast path) and on both gradient paths (``grad_sample_mode="book_
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import lightning.pytorch as L
@@ -327,13 +328,13 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
 
 
-def _fit(name: str, inputs, labels, mode: str, **dp_kwargs):
+def _fit(name: str, inputs, labels, mode: str, precision: str = "32-true"):
     """Two epochs of one step each at sampling rate 1 (a batch as large as the dataset), so every record is in every
     step: the outcome a run shows from outside."""
     module = Classifier(name)
     before = [p.detach().clone() for p in module.parameters()]
-    dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, seed=0, grad_sample_mode=mode, **dp_kwargs)
-    trainer = make_trainer([dp], max_epochs=2)
+    dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, seed=0, grad_sample_mode=mode)
+    trainer = make_trainer([dp], max_epochs=2, precision=precision)
     trainer.fit(module, DataLoader(TensorDataset(*inputs, labels), batch_size=len(labels)))
     after = [p.detach().clone() for p in module.parameters()]
     return dp, trainer, before, after
@@ -351,6 +352,26 @@ def test_a_crafted_record_does_not_decide_whether_the_run_happens(name, crafted,
     without it does (no exception, the same number of steps, the same logged metric keys), with finite weights."""
     dp, trainer, _, after = _fit(name, *_records(name, crafted), mode)
     dp_without, trainer_without, _, after_without = _fit(name, *_records(name, None), mode)
+    assert _outcome(dp, trainer, after) == _outcome(dp_without, trainer_without, after_without)
+    assert dp.steps == 2
+    assert all(torch.isfinite(p).all() for p in after)
+
+
+#: every precision Lightning's Trainer accepts on CPU ("16-mixed" becomes "bf16-mixed" there)
+CPU_PRECISIONS = ["64-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("crafted", ["nan", "+inf", "1e30"])
+@pytest.mark.parametrize("precision", CPU_PRECISIONS)
+def test_a_crafted_record_does_not_decide_whether_the_run_happens_in_any_precision(precision, crafted, mode):
+    """As above, in the other precisions (the float32 sums of 16-bit activations and gradients, float64 ones; 1e30
+    is inf in float16 and a finite, legitimate record in float64): the same outcome with and without the record."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 16-mixed becomes bf16-mixed on CPU, with a warning
+        dp, trainer, _, after = _fit("layer_norm", *_records("layer_norm", crafted), mode, precision)
+        without = _fit("layer_norm", *_records("layer_norm", None), mode, precision)
+    dp_without, trainer_without, _, after_without = without
     assert _outcome(dp, trainer, after) == _outcome(dp_without, trainer_without, after_without)
     assert dp.steps == 2
     assert all(torch.isfinite(p).all() for p in after)
