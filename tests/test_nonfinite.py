@@ -5,14 +5,18 @@ the step is noised and charged as usual.
 The attacker crafts one record (NaN, +inf or -inf in one input entry, one entry at 3e38, or the whole record scaled
 by 1e30, which puts ~1e30 before a LayerNorm) and adds it to a batch of benign ones, on every layer kind of
 ``lightning_oso.per_sample`` (Linear on one position, on sequences by the ghost norm, instantiated; convolutions by the
-ghost norm and instantiated; Embedding, EmbeddingBag with per-sample weights, LayerNorm, GroupNorm, a tied weight and a
-layer without a fast path) and on both gradient paths (``grad_sample_mode="book_keeping"`` and Opacus' ``"hooks"``):
+ghost norm and instantiated; Embedding, EmbeddingBag with per-sample weights and max-pooled, LayerNorm, GroupNorm, a
+tied weight and a layer without a fast path) and on both gradient paths (``grad_sample_mode="book_keeping"`` and
+Opacus' ``"hooks"``):
 
-- the un-noised sums of ``step.clip_and_sum`` (clipped sum, OSO's direction sum, the quantile rule's centred count)
-  with the record equal those without it, up to the float32 rounding of the other records, and are finite;
+- the un-noised sums of ``step.clip_and_sum`` (clipped sum, OSO's direction sum, both ways of forming it, the
+  quantile rule's centred count) with the record equal those without it, up to the float32 rounding of the other
+  records, and are finite; a record whose norm stays finite (huge, not infinite) moves them by at most the bound;
 - through ``Trainer`` and ``OSODP`` the run with the record is indistinguishable, from outside, from the run
-  without it: it finishes, with the same number of steps and the same logged metric keys, and finite weights;
-- a dataset of non-finite records only trains all its steps (on pure noise).
+  without it: it finishes, with the same number of steps and the same logged metric keys, and finite weights, in
+  every CPU precision;
+- a dataset of non-finite records only trains all its steps (on pure noise);
+- only the opt-in non-private diagnostics count the zeroed records.
 """
 
 from __future__ import annotations
