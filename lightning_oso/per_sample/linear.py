@@ -179,10 +179,12 @@ class OuterProduct:
     def weighted_sums(self, weights: Tensor) -> Sums:
         """``sum_i weights[i, k] G_i`` (and the bias's). A record whose weights are all 0 adds exactly 0: its ``a``,
         ``b`` and per-sample gradients, which may hold NaN or inf, are replaced by zeros before any product summed
-        over records (``parts.zero_unweighted``), or left out of the split's groups. Each product starts with the
-        weight times the output gradient, ``(W_ik b_it) a_it``: for a weighted record ``|W_ik b_it| <= |n b_it|``,
-        the record's own output gradient (``W_ik <= n``: at most 1 times a mean loss's scale), where ``W_ik a_it``
-        could overflow a huge input (``n |a_it|``) at a position whose output gradient is zero (0 * inf)."""
+        over records (``parts.zero_unweighted``), or left out of the split's groups.
+
+        Each product starts with the weight and the output gradient, ``(W_ik b_it) a_it``, never ``(W_ik a_it)
+        b_it``: the weight is at most 1 (times a mean loss's ``n``, which ``b`` carries as ``1/n``), so ``W_ik b_it``
+        is at most the record's own output gradient, while ``W_ik a_it`` can overflow (``n`` times an input near the
+        float maximum) at a position whose output gradient is 0, and ``inf * 0`` is NaN."""
         weights = weights.to(self.b.dtype)
         weighted = weighted_records(weights)
         sums: Sums = {}
