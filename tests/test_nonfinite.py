@@ -314,6 +314,51 @@ def test_the_step_gives_a_non_finite_norm_weight_zero_whatever_the_rule():
         assert torch.equal(with_record.scalars, without.scalars)
 
 
+class LastPosition(nn.Module):
+    """A Linear over positions of which only the last is read: the other positions' output gradients are exactly 0."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out)
+        self.head = nn.Linear(d_out, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.linear(x)[:, -1])
+
+
+@pytest.mark.parametrize("rule_name", [*RULES, "oso-split"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_huge_input_where_the_output_gradient_is_zero_adds_a_finite_share(mode, rule_name):
+    """3e38 at a position whose output gradient is 0: the record's gradient is that of its other positions, its norm
+    bound finite, and under a threshold above it its weight is 1 (times the mean loss's ``n``). Weighted sums that
+    multiplied the weight into the input first would overflow (``n * 3e38 = inf``, then ``inf * 0 = NaN``); these
+    start with the output gradient, and the sums stay finite. (A Linear on sequences by the ghost norm: one whose
+    per-sample gradients are instantiated multiplies the weights into those.)"""
+    t, d_in, d_out = 4, 16, 24
+    g = torch.Generator().manual_seed(3)
+    x, labels = torch.randn(N_BENIGN + 1, t, d_in, generator=g), torch.randint(0, CLASSES, (N_BENIGN + 1,), generator=g)
+    x[-1, 0] = 3e38
+
+    def clipped(n: int) -> step.ClippedSums:
+        torch.manual_seed(0)
+        model = LastPosition(d_in, d_out)
+        hooks = per_sample.attach(model, mode, "mean")
+        try:
+            F.cross_entropy(model(x[:n]), labels[:n]).backward()
+            with pytest.MonkeyPatch.context() as patch:
+                if rule_name == "oso-split":
+                    patch.setattr(linear, "_SPLIT_MIN_WORK", 0)
+                rule = RULES["oso" if rule_name == "oso-split" else rule_name]()
+                rule.clip = torch.tensor(1e30, dtype=torch.float64)  # above every norm here: weight 1
+                return step.clip_and_sum(per_sample.source(hooks, list(model.parameters())), rule)
+        finally:
+            per_sample.detach(hooks)
+
+    with_record = clipped(N_BENIGN + 1)
+    assert torch.isfinite(with_record.norms[0][-1]) and with_record.norms[0][-1] < 1e30
+    assert all(torch.isfinite(s).all() for s in with_record.sums)
+
+
 # ----------------------------------------------------------------------------------------------------- end to end
 class Classifier(L.LightningModule):
     """One of ``MODELS`` with a cross-entropy loss, which it logs (a NaN where a crafted record is in the batch)."""
