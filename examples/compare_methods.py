@@ -62,7 +62,6 @@ from lightning_oso import (
     FixedQuantileDP,
     FixedThresholdDP,
     PrivacyConfigurationError,
-    PrivateStepRefused,
 )
 from lightning_oso.search import HonestGridSearch, grid, log_grid
 
@@ -296,18 +295,13 @@ def train_once(
         num_sanity_val_steps=0,
         callbacks=[best] + ([callback] if callback is not None else []),
     )
-    refused_at = None
-    try:
-        trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=512))
-    except PrivateStepRefused:
-        # a candidate that diverged (a learning rate too large for it): the private step refused a non-finite
-        # per-sample gradient and stopped training, as the library does for a user. The run ends there, with its
-        # best checkpoint so far; the search goes on (one diverging candidate used to abort the whole protocol)
-        refused_at = trainer.global_step
+    # a candidate that diverges (a learning rate too large for it) trains on: its non-finite per-sample gradients get
+    # weight 0, so its steps are noise, and its best checkpoint is the one from before it diverged
+    trainer.fit(model, DataLoader(train, batch_size=batch_size, shuffle=True), DataLoader(val, batch_size=512))
     if best.state is None:  # diverged from the start: every validation was NaN (a NaN score never wins)
-        return {"score": math.nan, "test": math.nan, "best_step": None, "refused_at": refused_at}
+        return {"score": math.nan, "test": math.nan, "best_step": None}
     model.load_state_dict(best.state)
-    return {"score": best.best, "test": evaluate(model, test), "best_step": best.step, "refused_at": refused_at}
+    return {"score": best.best, "test": evaluate(model, test), "best_step": best.step}
 
 
 # ----------------------------------------------------------------------------------------------------- grids

@@ -4,8 +4,10 @@
   Raised before any training data is touched, with a message that names the setting and how to fix it.
 - :class:`AccountingError`: an accountant could not produce a valid bound for the requested composition.
 - :class:`LedgerError`: a privacy ledger file cannot be read, or belongs to another run.
-- :class:`PrivateStepRefused`: a training step was refused (a non-finite per-sample gradient); no parameter
-  changed. A ``FloatingPointError``, as before, so existing handlers keep working.
+- :class:`PrivateStepRefused`: an optimizer step was refused before anything of it was released, for a reason that
+  does not depend on any record's values (a logical batch that did not come in its ``accumulate_grad_batches``
+  micro-batches); no parameter changed. A ``RuntimeError``. No record's values can make a step refuse: a record
+  whose per-sample gradient is not finite gets weight 0 instead.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class LedgerError(RuntimeError):
     """The ledger file cannot be read as a lightning_oso privacy ledger (or belongs to another run)."""
 
 
-class PrivateStepRefused(FloatingPointError):
+class PrivateStepRefused(RuntimeError):
     """A private step was refused before anything was released; the parameters are unchanged."""
 
 

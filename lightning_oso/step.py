@@ -24,19 +24,23 @@ A rule may declare its last rows *deferred* (``ClippingRule.DEFERRED_ROWS``; OSO
 read by the rule only through one inner product with a later, independent vector, so it gets one integer draw
 instead of a model-sized one and is returned as a :class:`DeferredQuery`, which never releases its raw sum
 (docs/algorithms.md, "OSO-DPSGD", "One Gaussian draw per step").
+
+Nothing is read back to the host on the step's path. No record decides whether a step happens: a record whose
+per-sample norm is not finite (a NaN or inf in its gradient, or a norm beyond the float range) gets weight 0 in every
+sum, selected elementwise (``torch.where``, never a branch on the data), and the step is noised and charged as usual
+(docs/algorithms.md, "What is private").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_oso import exact_noise
-from lightning_oso.errors import PrivateStepRefused
 from lightning_oso.per_sample.parts import sum_dtype
 from lightning_oso.randomness import SecureRandom, words_of
 
@@ -49,8 +53,6 @@ if TYPE_CHECKING:
 AddNoise = Callable[[list[Tensor], Tensor], list[Tensor]]
 #: ``tensors -> their sums over all processes`` (in place, same order).
 Reduce = Callable[[list[Tensor]], list[Tensor]]
-#: ``(non-finite norms on this process, batch size on this process)``: raise, the step is refused.
-Refuse = Callable[[int, int], NoReturn]
 
 
 class DeferredQuery:
@@ -147,14 +149,12 @@ class ClippedSums:
     Attributes:
         sums: per trainable parameter, the rule's weighted sums ``[k, *param.shape]``, in float32 or wider.
         scalars: the sums of the rule's scalar contributions (``[m]``), or ``None`` for a rule without scalars.
-        nonfinite: the number of non-finite per-sample norms (a 0-dim tensor on the device: no host read).
         norms: the per-sample norms of each micro-batch (their sizes, and the opt-in non-private diagnostics).
         micro_batches: how many micro-batches were added.
     """
 
     sums: list[Tensor]
     scalars: Tensor | None
-    nonfinite: Tensor
     norms: list[Tensor]
     micro_batches: int
 
@@ -173,23 +173,25 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
     Clipping is per sample, with the rule's current threshold (it changes only after the optimizer step), so the
     sum over the micro-batches of their clipped sums is the clipped sum of the logical batch, sample by sample.
     The sums are kept in float32 or wider whatever the dtype of the per-sample gradients.
+
+    A record whose norm is not finite (a NaN or inf in its per-sample gradient: its sensitivity is unbounded; or a
+    norm beyond the float range) gets weight 0 in every column and contributes 0 to every scalar query: it adds
+    exactly nothing (the layers keep its values out of the products, ``per_sample.parts.zero_unweighted``), as if it
+    were not in the batch. Selected elementwise, so nothing here depends on the data but the values of the sums.
     """
     norms = per_sample.norms()
-    weights = rule.weights(norms)
+    finite = torch.isfinite(norms).unsqueeze(1)
+    weights = torch.where(finite, rule.weights(norms), 0.0)
     # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter was
     # used may depend on the data
     sums = rule.queries(per_sample.weighted_sums(weights))
     per_sample.release()
     contributions = rule.scalar_queries(norms)
-    scalars = contributions.sum(dim=0) if contributions is not None else None
-    # a NaN/inf per-sample gradient has a NaN/inf norm: its sensitivity is unbounded, so a step holding one must not
-    # be released, not even noised over. The count travels with the sums, so every process refuses the same step.
-    nonfinite = count_nonfinite(norms)
+    scalars = torch.where(finite, contributions, 0.0).sum(dim=0) if contributions is not None else None
     if into is None:
         return ClippedSums(
             sums=[s.to(sum_dtype(s.dtype)) for s in sums],
             scalars=None if scalars is None else scalars.to(sum_dtype(scalars.dtype)),
-            nonfinite=nonfinite,
             norms=[norms],
             micro_batches=1,
         )
@@ -197,7 +199,6 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
         total.add_(s)
     if into.scalars is not None and scalars is not None:
         into.scalars.add_(scalars)
-    into.nonfinite = into.nonfinite + nonfinite
     into.norms.append(norms)
     into.micro_batches += 1
     return into
@@ -306,7 +307,8 @@ def sanitise(
             the same draw on every process (default: ``add_noise``, right on one process).
 
     Returns:
-        The released queries (:class:`SanitisedStep`), float64.
+        The released queries (:class:`SanitisedStep`), float64. A record whose per-sample norm is not finite has
+        weight 0 in them (:func:`clip_and_sum`): the step is released, noised and charged whatever the records hold.
 
     Example:
         >>> import torch
@@ -339,14 +341,15 @@ def sanitise(
 def _ratio(numerator: Tensor | float, norms: Tensor) -> Tensor:
     """``numerator / norms`` (one correctly rounded division, within ``u`` relative of the exact ratio), with a
     subnormal result flushed to 0: a subnormal's rounding is not relative, and 0 is the safe side. A zero norm
-    counts as the smallest normal one (its weight multiplies zeros)."""
+    counts as the smallest normal one (its weight multiplies zeros); a NaN or infinite norm gives 0."""
     tiny = torch.finfo(norms.dtype).tiny
     ratio = numerator / norms.clamp_min(tiny)
-    return torch.where(ratio < tiny, torch.zeros_like(ratio), ratio)
+    return torch.where(ratio >= tiny, ratio, 0.0)  # NaN >= tiny is False: a NaN norm's ratio is 0 too
 
 
 def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
-    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``."""
+    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``, 0 for a norm
+    that is not finite."""
     return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
 
 
@@ -354,9 +357,10 @@ def oso_split_weights(norms: Tensor, clip: Tensor) -> Tensor:
     """OSO's two sums with each record in one column only, shape ``[n, 2]``: column 0 holds the records left whole
     (``||g_i|| <= C_t``, weight 1), column 1 the unit directions of the clipped ones (weight ``1 / ||g_i||``, eq. 11).
     The clipped sum (eq. 4) is column 0 plus ``C_t`` times column 1 (:func:`clipped_sum_from_split`); a layer can
-    form the two columns with one product per record (``per_sample.parts.disjoint_groups``)."""
+    form the two columns with one product per record (``per_sample.parts.disjoint_groups``). A norm that is not
+    finite gets 0 in both columns (a NaN is neither ``<= C_t`` nor ``> C_t``; an infinite one has ``1 / inf = 0``)."""
     clipped = norms > clip
-    return torch.stack([(~clipped).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
+    return torch.stack([(norms <= clip).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
 
 
 def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
@@ -377,8 +381,13 @@ def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
 def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
     """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
     ``[n, 1]`` (docs/algorithms.md, "Quantile clipping"). Centring halves the sensitivity: adding or removing a record
-    moves the sum by 1/2."""
-    return ((norms <= clip).to(norms.dtype) - 0.5).unsqueeze(1)
+    moves the sum by 1/2.
+
+    A record whose norm is not finite (weight 0 in the clipped sum) contributes exactly 0, as if it were absent: not
+    ``-1/2``, which would count it as clipped and let it move ``b~_t``. Every contribution stays in ``{-1/2, 0,
+    1/2}``, so adding or removing any record still moves the sum by at most 1/2."""
+    count = (norms <= clip).to(norms.dtype) - 0.5
+    return torch.where(torch.isfinite(norms), count, 0.0).unsqueeze(1)
 
 
 # ----------------------------------------------------------------------------------------------------- noise
@@ -415,36 +424,6 @@ def _scalar_stds(rule: ClippingRule) -> Tensor:
     if stds is None:
         raise ValueError(f"{type(rule).__name__} has scalar queries but no scalar_noise_stds")
     return stds
-
-
-# ----------------------------------------------------------------------------------------------------- refusal
-def count_nonfinite(norms: Tensor) -> Tensor:
-    """The number of non-finite (NaN or inf) per-sample norms, as a 0-dim tensor on their device (no host read)."""
-    return (~torch.isfinite(norms)).sum()
-
-
-def refuse_step(nonfinite: int, size: int, step: int | None = None) -> NoReturn:
-    """Refuse a step whose per-sample norms are not all finite: ``nonfinite`` of this process's ``size`` samples (0:
-    another process's), in training step ``step``.
-
-    Raises:
-        PrivateStepRefused: always.
-    """
-    where = f"training step {step}" if step is not None else "this training step"
-    if nonfinite:
-        raise PrivateStepRefused(_NON_FINITE.format(count=nonfinite, size=size, where=where))
-    raise PrivateStepRefused(
-        f"{where} was refused by another process (non-finite per-sample gradients; its error says more): no process "
-        "applied it"
-    )
-
-
-_NON_FINITE = (
-    "the per-sample gradients of {count} of the {size} samples in {where} are not finite (NaN or inf): the step was "
-    "refused and training stopped, so no parameter, optimizer state or C_t was changed by it and nothing was "
-    "released (noising a NaN/inf over would not be private: its sensitivity is unbounded). Check the loss and the "
-    "data for NaN/inf values or lower the learning rate; a checkpoint from before this step resumes cleanly."
-)
 
 
 # ----------------------------------------------------------------------------------------------------- scale

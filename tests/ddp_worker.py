@@ -9,7 +9,7 @@ Scenarios:
     noise     zero gradients, FixedThresholdDP: one step moves the weights by the noise alone.
     resume    as ``train`` with deterministic_resume, 4 epochs at a fixed noise multiplier, a checkpoint every epoch;
               with CKPT=part, one epoch (an interrupted run); with CKPT=load, resume its checkpoint to 4 epochs.
-    nan       an inf input on rank 1 in step 2 only: every process must refuse the step (none hangs).
+    nan       an inf input on rank 1 in step 2 only: the record gets weight 0, and every process runs every step.
     accumulate
               OSO with accumulate_grad_batches=2 and 5 records per process and micro-batch (q = 2 * 5 * 2 / 200 = 0.1,
               as ``train``), 2 epochs at a fixed noise multiplier; records the micro-batches each process saw.

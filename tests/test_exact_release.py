@@ -1,8 +1,8 @@
 """The exact release, tested as an attacker would read it (docs/algorithms.md, "The exact release").
 
-The attack: a record's share ``v`` of a coordinate that no other record touches. A float release ``fl(v + fl(sigma z))``
-is exact where the noise nearly cancels ``v`` (Sterbenz), so a small output is then a multiple of ``ulp(v) / 2``; without
-the record, a small output is a float of its own, finer binade. The attacker flags a coordinate whose output is small
+The attack: a record's share ``v`` of a coordinate that no other record touches. A float release
+``fl(v + fl(sigma z))`` is exact where the noise nearly cancels ``v`` (Sterbenz), so a small output is then a multiple
+of ``ulp(v) / 2``; without the record, a small output is a float of its own, finer binade. The attacker flags a coordinate whose output is small
 (``|r| < |v| / 16``) and on that lattice. Each coordinate is one Gaussian mechanism of sensitivity ``|v|``: its true and
 false positive rates must lie under the Gaussian trade-off curve ``TPR <= Phi(Phi^-1(FPR) + |v| / sigma)``, whatever the
 bits. Pooling many coordinates measures the rates precisely.
@@ -18,10 +18,10 @@ import math
 
 import pytest
 import torch
+from helpers import ToyModel, make_trainer
 from scipy.stats import norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import ToyModel, make_trainer
 from lightning_oso import OSODP, exact_noise, step
 from lightning_oso.clipping import FixedThresholdClipping
 from lightning_oso.per_sample import TensorSource

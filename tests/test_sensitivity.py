@@ -8,7 +8,7 @@ and measures the move in float64 against the true per-sample gradients, computed
 autograd in float64. Adversarial records: positions that nearly cancel (``x`` and ``-(1 - d) x``), a bias whose
 positions cancel after rounding, huge scales (up to the float32 maximum), tiny values, mixed signs, on every layer
 kind of the fast path, found by a small seeded random search plus hand-crafted cases. A finite record must never
-get a non-finite norm (the strategy would refuse the step: a refusal that depends on the data).
+get a non-finite norm (the step would give it weight 0: private, but its gradient would be lost).
 
 On a machine with a CUDA device the attacks also run there (the ``device`` fixture): once with IEEE float32 products
 and once with TF32 allowed for matrix products and convolutions (``torch.backends.cuda.matmul.allow_tf32``,
@@ -424,7 +424,7 @@ def test_hooks_path_non_finite_gradient_still_has_a_non_finite_norm():
 
 
 def test_fast_path_non_finite_gradient_still_has_a_non_finite_norm(device):
-    """A NaN/inf in a record's input or output gradient: a non-finite norm (the strategy refuses such a step)."""
+    """A NaN/inf in a record's input or output gradient: a non-finite norm (the step gives it weight 0)."""
     for case in CASES:
         for where in ("x", "v"):
             if where == "x" and case.integer_input:

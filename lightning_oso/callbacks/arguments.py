@@ -93,8 +93,9 @@ _SHARED_ARGS_DOC = {
             the same noise and batches, and releasing both would cancel the noise: reuse a seed only to reproduce
             a run, never for another run on the same data (searches give each run its own streams).""",
     "log_nonprivate_diagnostics": """log_nonprivate_diagnostics: also log ``nonprivate/clipped_fraction``,
-            ``nonprivate/grad_norm_median``, ``nonprivate/grad_norm_max`` and ``nonprivate/batch_size``. These are
-            computed from raw per-sample gradients and are **not** differentially private; off by default.""",
+            ``nonprivate/grad_norm_median``, ``nonprivate/grad_norm_max``, ``nonprivate/batch_size`` and
+            ``nonprivate/zeroed_records`` (records whose per-sample gradient was not finite, given weight 0). These
+            are computed from raw per-sample gradients and are **not** differentially private; off by default.""",
     "grad_sample_mode": """grad_sample_mode: how the per-sample gradient norms and sums are computed.
             ``"book_keeping"`` (default): ghost norms and book-keeping sums from each layer's input and output
             gradient, per-sample gradients instantiated only where that is cheaper (fast, little memory; see

@@ -11,7 +11,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
-from lightning_oso.per_sample.parts import U64, Instantiated, Sums, as_sequence, cat_positions
+from lightning_oso.per_sample.parts import (
+    U64,
+    Instantiated,
+    Sums,
+    as_sequence,
+    cat_positions,
+    weighted_records,
+    zero_unweighted,
+)
 from lightning_oso.per_sample.registry import register_fast_path
 
 
@@ -79,8 +87,9 @@ class EmbeddingPart:
         n, t, d = self.b.shape
         k = weights.shape[1]
         out = torch.zeros((k, *self.layer.weight.shape), dtype=self.b.dtype, device=self.b.device)
-        scaled = (weights.t()[:, :, None, None] * self.b).reshape(k, n * t, d)
-        out.index_add_(1, self.idx.reshape(-1), scaled)
+        # a record of weight 0 adds exactly 0 (its output gradients may hold NaN or inf: parts.zero_unweighted)
+        scaled = zero_unweighted(weights.t()[:, :, None, None] * self.b, weighted_records(weights), dim=1)
+        out.index_add_(1, self.idx.reshape(-1), scaled.reshape(k, n * t, d))
         return {self.layer.weight: out}
 
     def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
@@ -192,16 +201,22 @@ class _Bag:
         norm_w = (sq_w * (1 + g)).sqrt() + (sq_abs * (1 + g)).sqrt() * g
         return norm_w.mul_(nb.F64 * nb.F64) * norm_b
 
-    def scatter(self, values: Tensor, out: Tensor) -> Tensor:
+    def scatter(self, values: Tensor, out: Tensor, weighted: Tensor | None = None) -> Tensor:
         """``out[k] += sum_i values[k, i] G_i`` (``values`` ``[k, n, d]``: the output gradients, weighted), ``out``
-        ``[k, V, d]``."""
+        ``[k, V, d]``. The bags not ``weighted`` (``[n]`` bool; all if ``None``) add exactly 0: their values and
+        coefficients (per-sample weights), which may hold NaN or inf, are replaced by zeros before the sum over bags
+        (``parts.zero_unweighted``)."""
         k, _, d = values.shape
         if self.layer.mode == "max":
             flat = (self.max_indices.clamp_min(0) * d + torch.arange(d, device=values.device)).reshape(-1)
             masked = values * self.present.to(values.dtype)
+            if weighted is not None:
+                masked = zero_unweighted(masked, weighted, dim=1)
             out.view(k, -1).index_add_(1, flat, masked.reshape(k, -1))
             return out
         scaled = values[:, self.bag, :] * self.coefficient.to(values.dtype)[None, :, None]
+        if weighted is not None:
+            scaled = zero_unweighted(scaled, weighted[self.bag], dim=1)  # per token, by its bag
         out.index_add_(1, self.idx, scaled)
         return out
 
@@ -241,7 +256,8 @@ class BagPart:
         b = self.call.b
         values = weights.to(b.dtype).t()[:, :, None] * b  # [k, n, d]
         out = torch.zeros((weights.shape[1], *self.layer.weight.shape), dtype=b.dtype, device=b.device)
-        return {self.layer.weight: self.call.scatter(values, out)}
+        # a bag of weight 0 adds exactly 0 (its values may hold NaN or inf: the scatter leaves them out)
+        return {self.layer.weight: self.call.scatter(values, out, weighted_records(weights))}
 
     def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
         if param is not self.layer.weight or self.taken:

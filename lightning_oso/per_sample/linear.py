@@ -19,7 +19,16 @@ import torch
 from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
-from lightning_oso.per_sample.parts import U64, Sums, as_sequence, cat_positions, disjoint_groups, sum_parts
+from lightning_oso.per_sample.parts import (
+    U64,
+    Sums,
+    as_sequence,
+    cat_positions,
+    disjoint_groups,
+    sum_parts,
+    weighted_records,
+    zero_unweighted,
+)
 from lightning_oso.per_sample.registry import register_fast_path
 
 
@@ -168,11 +177,20 @@ class OuterProduct:
         return _sum_over_positions_bound(positions, self.per_sample_bias, self.b.shape[1], u, tau)
 
     def weighted_sums(self, weights: Tensor) -> Sums:
+        """``sum_i weights[i, k] G_i`` (and the bias's). A record whose weights are all 0 adds exactly 0: its ``a``,
+        ``b`` and per-sample gradients, which may hold NaN or inf, are replaced by zeros before any product summed
+        over records (``parts.zero_unweighted``), or left out of the split's groups.
+
+        Each product starts with the weight and the output gradient, ``(W_ik b_it) a_it``, never ``(W_ik a_it)
+        b_it``: the weight is at most 1 (times a mean loss's ``n``, which ``b`` carries as ``1/n``), so ``W_ik b_it``
+        is at most the record's own output gradient, while ``W_ik a_it`` can overflow (``n`` times an input near the
+        float maximum) at a position whose output gradient is 0, and ``inf * 0`` is NaN."""
         weights = weights.to(self.b.dtype)
+        weighted = weighted_records(weights)
         sums: Sums = {}
         if self.weight is not None:
             if self.per_sample_weight is not None:
-                flat = torch.einsum("nk,noi->koi", weights, self.per_sample_weight)
+                flat = torch.einsum("nk,noi->koi", weights, zero_unweighted(self.per_sample_weight, weighted))
             elif self.b.shape[0] * self.b.shape[1] * self.b.shape[2] * self.a.shape[2] >= _SPLIT_MIN_WORK and (
                 groups := disjoint_groups(weights)
             ):
@@ -192,14 +210,15 @@ class OuterProduct:
                 n, t, d_out = self.b.shape
                 k = weights.shape[1]
                 # [k, d_out, n T] @ [n T, d_in]: every column of W in one product, one read of a
-                scaled = (weights.t()[:, :, None, None] * self.b).reshape(k, n * t, d_out)
-                flat = torch.matmul(scaled.transpose(1, 2), self.a.reshape(n * t, self.a.shape[2]))
+                scaled = zero_unweighted(weights.t()[:, :, None, None] * self.b, weighted, dim=1)
+                a = zero_unweighted(self.a, weighted).reshape(n * t, self.a.shape[2])
+                flat = torch.matmul(scaled.reshape(k, n * t, d_out).transpose(1, 2), a)
             if self.transposed:
                 flat = flat.transpose(1, 2)
             sums[self.weight] = flat.reshape(weights.shape[1], *self.weight.shape)
         if self.bias is not None:
             assert self.per_sample_bias is not None  # set whenever the bias is trained
-            sums[self.bias] = weights.t() @ self.per_sample_bias
+            sums[self.bias] = weights.t() @ zero_unweighted(self.per_sample_bias, weighted)
         return sums
 
 

@@ -26,8 +26,8 @@ exact, up to underflow of entries below ``2^-126`` of the sample's largest one, 
 that their largest entry is near 1, and the scale is put back in float64; small float32 sums of squares are taken in
 float64 instead, where squares of float32 values are exact. A finite record thus never yields an infinite or NaN
 bound; a bound is only infinite where the norm itself exceeds the compute dtype's range once rounded back (see
-``round_up``). A record with NaN or inf in its tensors gets a NaN (or infinite) bound: the strategy refuses such a
-step.
+``round_up``). A record with NaN or inf in its tensors gets a NaN (or infinite) bound: the private step gives it
+weight 0 in every sum (``step.clip_and_sum``).
 """
 
 from __future__ import annotations

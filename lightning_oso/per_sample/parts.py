@@ -182,30 +182,53 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
 
 def disjoint_groups(weights: Tensor) -> list[Tensor] | None:
     """The records of each weight column, ``[indices of column 0, ...]``, when every record has a nonzero weight in
-    at most one column (OSO's: clipped or not) and the weights are on the CPU; else ``None``.
+    at most one column (OSO's: clipped or not) and the weights are on the CPU; else ``None``. A record with no
+    nonzero weight is in no group: it adds nothing to any sum, and its values (a NaN or inf perhaps) are never read.
 
     A layer can then form column ``k``'s sum from its records alone, one product per record instead of one per
-    record and column. On the CPU the group sizes cost nothing to read; on a GPU reading them would stall the host
-    (the private step reads one flag per step), so the columns are formed together there.
+    record and column. On the CPU the group sizes cost nothing to read; on a GPU reading them would stall the host,
+    so the columns are formed together there.
     """
     if weights.device.type != "cpu" or weights.shape[1] < 2 or weights.shape[0] == 0:
         return None
     nonzero = weights != 0
     if bool((nonzero.sum(dim=1) > 1).any()):
         return None
-    column = nonzero.to(torch.int8).argmax(dim=1)  # a record with no nonzero weight goes to column 0 (weight 0)
-    return [torch.nonzero(column == k).squeeze(1) for k in range(weights.shape[1])]
+    column = nonzero.to(torch.int8).argmax(dim=1)
+    weighted = nonzero.any(dim=1)
+    return [torch.nonzero((column == k) & weighted).squeeze(1) for k in range(weights.shape[1])]
+
+
+def weighted_records(weights: Tensor) -> Tensor:
+    """Which records have a nonzero weight in some column of ``weights`` (``[n, k]``): a bool ``[n]``. The others add
+    exactly nothing to any sum (``zero_unweighted``)."""
+    return (weights != 0).any(dim=1)
+
+
+def zero_unweighted(x: Tensor, weighted: Tensor, dim: int = 0) -> Tensor:
+    """``x`` with the records that are not ``weighted`` (``[n]``, along ``dim``) replaced by zeros, a new tensor.
+
+    A record gets weight 0 where its norm is not finite (``step.clip_and_sum``), and ``0 * inf`` or ``0 * NaN`` is
+    NaN: its per-sample values (inputs, output gradients, per-sample gradients) must not enter a product that is
+    summed over records, or the one record would make every sum NaN. The selection is elementwise (``torch.where``),
+    so it reads nothing back to the host and its cost does not depend on the data."""
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    return torch.where(weighted.reshape(shape), x, 0)
 
 
 def weighted_sums(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor]:
     """``sum_i weights[i, k] * g_i`` for every column ``k`` at once, per parameter: shape ``[k, *param.shape]``.
 
     One contraction per parameter reads the per-sample gradients once for all columns, in at least float32 (half
-    precision per-sample gradients are upcast, exactly: ``sum_dtype``).
+    precision per-sample gradients are upcast, exactly: ``sum_dtype``). A record whose weights are all 0 adds exactly
+    0, whatever its per-sample gradient holds (NaN or inf: ``zero_unweighted``).
     """
     sums = []
+    weighted = weighted_records(weights)
     for g in grad_samples:
-        g = at_least_float32(g)  # half-precision sums would round each record's clipped share off its bound
+        # half-precision sums would round each record's clipped share off its bound
+        g = zero_unweighted(at_least_float32(g), weighted)
         with nb.exact_float32_products(g.device):  # an einsum inside a 16-bit autocast would run in 16 bits
             sums.append(torch.einsum("nk,n...->k...", weights.to(g.dtype), g))
     return sums

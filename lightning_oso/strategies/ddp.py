@@ -7,7 +7,7 @@ What changes against one device (docs/algorithms.md, "What is private"; the mech
   ``q = W b / N`` (``b`` the DataLoader's batch size, per process as in Lightning's DDP), from a stream of its own.
   The shards partition the data and the draws are independent, so the union of the processes' batches is a Poisson
   sample of the whole dataset at rate ``q``: the rate the accountant sees.
-- The weighted sums (and the quantile rule's count, and the refusal flags) of all processes are added up with one
+- The weighted sums (and the quantile rule's count) of all processes are added up with one
   all-reduce per step, and only rank 0 adds the Gaussian noise before it: each Gaussian is in the sum exactly once,
   with the single-device variance. After the all-reduce every process holds the same sanitised values, so ``C_t``,
   ``rho_t``, the optimizer's state and the parameters stay identical everywhere, and the accountants (one per

@@ -28,7 +28,7 @@ the accounting.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
@@ -39,6 +39,7 @@ from lightning_oso import checks, per_sample
 from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
+from lightning_oso.errors import PrivateStepRefused
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, loss_scale, norm_bounds
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
@@ -48,7 +49,6 @@ from lightning_oso.step import (
     SanitisedStep,
     add_gaussian_noise,
     clip_and_sum,
-    refuse_step,
     release,
 )
 
@@ -300,9 +300,12 @@ class PrivateTraining(_StrategyBase):
         (``[k, *shape]``; row ``rule.GRADIENT`` is the new gradient) and the rule's sanitised scalar queries (``[m]``,
         or ``None`` if it has none).
 
+        A record whose per-sample gradient is not finite gets weight 0 (``step.clip_and_sum``): no record's values
+        decide whether the step happens.
+
         Raises:
-            RuntimeError: the logical batch did not come in exactly ``accumulation`` micro-batches (a training_step
-                that returned no loss, or a loop that stepped early): nothing is released or charged.
+            PrivateStepRefused: the logical batch did not come in exactly ``accumulation`` micro-batches (a
+                training_step that returned no loss, or a loop that stepped early): nothing is released or charged.
         """
         if self.rule is None or self.expected_batch_size is None:
             raise RuntimeError("the private step needs a DP callback's rule and a Poisson-sampled training loader")
@@ -313,7 +316,7 @@ class PrivateTraining(_StrategyBase):
             clipped, self._clipped = self._clipped, None
         assert clipped is not None
         if clipped.micro_batches != self.accumulation:
-            raise RuntimeError(
+            raise PrivateStepRefused(
                 f"the optimizer step came after {clipped.micro_batches} micro-batch(es) of a logical batch that has "
                 f"{self.accumulation} (accumulate_grad_batches): a part of a Poisson batch is not a Poisson sample, "
                 "so the step is refused and nothing of it is released. Every training_step must return the loss, "
@@ -381,18 +384,17 @@ class PrivateTraining(_StrategyBase):
             self._noise_stream = (self.executed_steps, generator)
         return self._noise_stream[1]
 
-    def _refuse_step(self, nonfinite: int, size: int) -> NoReturn:
-        module = self.lightning_module
-        refuse_step(nonfinite, size, step=module.trainer.global_step if module is not None else None)
-
     def _observe_norms(self, norms: Tensor) -> None:
         if self.rule is not None:
             self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
 
 
 def _nonprivate_diagnostics(norms: Tensor, clip: Tensor) -> dict[str, Tensor]:
-    """Statistics of the raw per-sample norms: NOT differentially private (logged only on explicit opt-in)."""
+    """Statistics of the raw per-sample norms: NOT differentially private (logged only on explicit opt-in).
+    ``zeroed_records``: how many records had a norm that is not finite (NaN or inf), hence weight 0 in every sum;
+    nothing else tells."""
     stats = {"batch_size": torch.tensor(float(norms.shape[0]))}
+    stats["zeroed_records"] = (~torch.isfinite(norms)).sum().float()
     if norms.numel():
         stats["clipped_fraction"] = (norms > clip).float().mean()
         stats["grad_norm_median"] = norms.median().float()
