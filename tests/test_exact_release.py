@@ -1,15 +1,15 @@
 """The exact release, tested as an attacker would read it (docs/algorithms.md, "The exact release").
 
 The attack: a record's share ``v`` of a coordinate that no other record touches. A float release
-``fl(v + fl(sigma z))`` is exact where the noise nearly cancels ``v`` (Sterbenz), so a small output is then a multiple
-of ``ulp(v) / 2``; without the record, a small output is a float of its own, finer binade. The attacker flags a coordinate whose output is small
-(``|r| < |v| / 16``) and on that lattice. Each coordinate is one Gaussian mechanism of sensitivity ``|v|``: its true and
-false positive rates must lie under the Gaussian trade-off curve ``TPR <= Phi(Phi^-1(FPR) + |v| / sigma)``, whatever the
-bits. Pooling many coordinates measures the rates precisely.
+``fl(v + fl(sigma z))`` is exact where the noise nearly cancels ``v`` (Sterbenz), so a small output is then a
+multiple of ``ulp(v) / 2``; without the record, a small output is a float of its own, finer binade. The attacker
+flags a coordinate whose output is small (``|r| < |v| / 16``) and on that lattice. Each coordinate is one Gaussian
+mechanism of sensitivity ``|v|``: its true and false positive rates must lie under the Gaussian trade-off curve
+``TPR <= Phi(Phi^-1(FPR) + |v| / sigma)``, whatever the bits. Pooling many coordinates measures the rates precisely.
 
-Also: the sampler's law and its exact Bernoulli trials (the tails the accountant assumes), the grid's coupling (with the
-same noise, two neighbouring releases differ by the grid indices' difference only, within the charged sensitivity), and
-the floating-point term in the reported epsilon.
+Also: the sampler's law and its exact Bernoulli trials (the tails the accountant assumes), the grid's coupling (with
+the same noise, two neighbouring releases differ by the grid indices' difference only, within the charged
+sensitivity), and the floating-point term in the reported epsilon.
 """
 
 from __future__ import annotations

@@ -369,7 +369,7 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         *inputs, labels = batch
-        loss = F.cross_entropy(self.model(*inputs), labels)
+        loss = F.cross_entropy(self.model(*inputs).float(), labels)  # a mean loss is formed in float32
         self.log("train_loss", loss)
         return loss
 
