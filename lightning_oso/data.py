@@ -72,7 +72,7 @@ class GapLaw:
     ``2^-53`` (1e-9 relative at ``q = 1e-7``), nothing here is resolved more finely than ``2^-50`` of itself: the
     block's cells have probability at least ``(1 - 2^-1/2) u_a``. ``P(G = k)`` is within 1e-12 relative of
     ``q (1 - q)^k`` for every ``k`` with ``(1 - q)^k >= 1e-22`` (``k <= 50 / q``; counted exactly in the tests for
-    ``q`` from 1e-12 to ``1 - 1e-9``, the largest error being about 1e-13); the gaps beyond, of total probability
+    ``q`` from 1e-12 to ``1 - 1e-9``, the largest error being 2e-14); the gaps beyond, of total probability
     below 1e-22, have probabilities within ``2^-125`` of the ideal ones.
 
     Attributes:
@@ -146,14 +146,14 @@ def block_uniform(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 
     ``floor(first / 2) 2^-63`` (rounded to float64) where ``first >= 2^48``, which needs no ``second``; where ``first
     < 2^48`` (probability ``2^-16``), ``Z 2^-126``: ``second`` holds one word for each such entry, in order. So
-    ``P(U <= x)`` is within ``2^-51`` relative plus ``2^-126`` of ``x``.
+    ``P(U <= x)`` is within ``2^-51 x`` of ``x``, plus the grid's ``2^-63`` above ``2^-16`` and ``2^-126`` below.
     """
     # halved words are int64, whose conversion to float64 is one instruction (uint64's branches on the top bit)
     uniform = (first >> np.uint64(1)).view(np.int64) * 2.0**-63
     if len(second):
         refine = uniform < _REFINE_UNIFORM  # first < 2^48 exactly: float64 is exact below 2^53
-        halved = (second >> np.uint64(1)).view(np.int64)
-        uniform[refine] = (first[refine].view(np.int64) * 2.0**63 + halved) * 2.0**-127
+        high, low = (first[refine] >> np.uint64(1)).view(np.int64), (second >> np.uint64(1)).view(np.int64)
+        uniform[refine] = (high * 2.0**63 + low) * 2.0**-126  # high 2^63 < 2^110 is exact; the sum rounds once
     return uniform
 
 
@@ -283,6 +283,11 @@ class PoissonBatchSampler:
     ...``, each at rate ``q`` from a stream of its own (its rank is part of the stream's key). The shards partition
     the records and the draws are independent, so the batches of all processes together are a Poisson sample of the
     whole dataset at rate ``q``: the rate the accountant sees.
+
+    The draw (:func:`poisson_positions`) takes the gaps between the records of the shard it takes, not one coin per
+    record: the same law (each record with probability ``q``, independently; exact to 1e-12 relative, see
+    :class:`GapLaw`), at a cost proportional to the expected batch, not to ``N``. With ``seed=None`` the words come
+    from the operating system (``os.urandom``), with the same exactness.
 
     Args:
         num_samples: ``N``, the size of the index set (of the dataset, without ``indices``).
