@@ -66,7 +66,8 @@ class GapLaw:
       ``u_a = (1 - q)^(2^L a)`` (``block_thresholds``) at or above a uniform ``U`` made from one or two words
       (:func:`block_uniform`), so ``P(A >= a) = P(U <= u_a)``, exactly countable since ``U`` is a non-decreasing
       function of the words. :func:`blocks` counts them without a search: by the float exponent of ``U``, the
-      thresholds above its binade, plus those inside it (at most two, as ``(1 - q)^(2^L) <= 2^-1/2``).
+      thresholds above its binade, plus those inside it (at most two, as ``(1 - q)^(2^L) < 2^-1/2``, for any ``q``
+      above 6e-19).
 
     Unlike one inverse transform ``floor(log U / log(1 - q))``, whose cells of width ``q`` lie on a float grid of
     ``2^-53`` (1e-9 relative at ``q = 1e-7``), nothing here is resolved more finely than ``2^-50`` of itself: the
@@ -124,14 +125,18 @@ def gap_law(rate: float) -> GapLaw:
 def _binade_tables(thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per biased exponent ``e`` of ``[0, 1]``: the thresholds at or above ``2^(e - 1022)`` (a count) and those in
     ``[2^(e - 1023), 2^(e - 1022))`` (a ``(k, 1024)`` table padded with ``-1``, below every uniform)."""
-    exponents = (thresholds.view(np.int64) >> 52).tolist()  # thresholds are positive normal floats
-    counts = np.array([sum(x > e for x in exponents) for e in range(_EXPONENTS)], dtype=np.int64)
-    counts[0] = len(exponents)  # U = 0 (the words all zero) is below every threshold
-    per_binade = [[u for u, x in zip(thresholds.tolist(), exponents) if x == e] for e in range(_EXPONENTS)]
-    inside = np.full((max(map(len, per_binade), default=0), _EXPONENTS), -1.0)
-    for e, values in enumerate(per_binade):
-        inside[: len(values), e] = values
-    return counts, inside
+    exponents = thresholds.view(np.int64) >> 52  # ascending, as the thresholds are (positive normal floats)
+    every = np.arange(_EXPONENTS)
+    counts = len(thresholds) - np.searchsorted(exponents, every, side="right")
+    counts[0] = len(thresholds)  # U = 0 (the words all zero) is below every threshold
+    first = np.searchsorted(exponents, every, side="left")  # the first threshold inside each binade
+    crowd = int(np.bincount(exponents, minlength=_EXPONENTS).max(initial=0)) if len(thresholds) else 0
+    inside = np.full((crowd, _EXPONENTS), -1.0)
+    for row in range(crowd):
+        at = first + row
+        here = (at < len(thresholds)) & (exponents[np.minimum(at, len(thresholds) - 1)] == every)
+        inside[row, here] = thresholds[at[here]]
+    return counts.astype(np.int64), inside
 
 
 def acceptance_probabilities(law: GapLaw, low: np.ndarray) -> np.ndarray:
@@ -228,7 +233,7 @@ def poisson_positions(num_samples: int, law: GapLaw, generator: Generator | None
 
     Position ``G_0`` is the first taken, then ``G_0 + 1 + G_1``, ..., until past the end, the ``G_i`` independent
     gaps (:func:`draw_gaps`): each position is taken with probability ``q``, independently of the others, exactly as
-    by one coin per position. The gaps come in chunks of the expected count plus five standard deviations (another
+    by one coin per position. The gaps come in chunks of the expected count plus three standard deviations (another
     chunk follows in the rare case the first ends before the index set does); the cost is ``O(q N)``.
     """
     if law.rate == 1:
@@ -246,14 +251,14 @@ def poisson_positions(num_samples: int, law: GapLaw, generator: Generator | None
         if inside < count:  # a gap went past the end
             break
         start = int(positions[-1]) + 1
-    return np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks or [np.empty(0, dtype=np.int64)])
 
 
 def _chunk_size(remaining: int, rate: float) -> int:
-    """Gaps to draw for ``remaining`` positions: the expected count plus five standard deviations, so that another
+    """Gaps to draw for ``remaining`` positions: the expected count plus three standard deviations, so that another
     chunk is rarely needed; at most one past the end, and few enough that their sum stays in int64."""
     mean = remaining * rate
-    count = math.ceil(mean + 5 * math.sqrt(mean * (1 - rate)) + 8)
+    count = math.ceil(mean + 3 * math.sqrt(mean * (1 - rate)) + 4)
     return min(count, remaining + 1, _LONGEST_GAP // (remaining + 1))
 
 

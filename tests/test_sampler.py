@@ -141,10 +141,11 @@ def test_block_law_counted_exactly_is_geometric_to_1e_12(q):
     assert all(a <= b for a, b in itertools.pairwise(uniforms))
 
 
-@pytest.mark.parametrize("q", RATES)
+@pytest.mark.parametrize("q", [1e-300, 1e-20, *RATES])
 def test_blocks_count_the_thresholds_at_or_above_the_uniform(q):
     """The binade lookup of ``blocks`` is #{a : U <= u_a}, the definition the counts above use: on random uniforms,
-    on every threshold and on its two float neighbours, on 0, 1 and the smallest positive uniform."""
+    on every threshold and on its two float neighbours, on 0, 1 and the smallest positive uniform (also at rates
+    so small that the low part is capped at 60 bits and several thresholds share a binade)."""
     law = gap_law(q)
     generator = torch.Generator().manual_seed(1)
     words = randomness.random_words(20_000, generator)
