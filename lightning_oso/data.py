@@ -2,6 +2,13 @@
 
 Every batch takes each record independently with probability ``q``; batch sizes vary and can be zero. The
 accountant's amplification-by-subsampling analysis holds only for this sampling: shuffled fixed-size batches void it.
+
+A batch is drawn as the gaps between the records it takes, which are independent and Geometric(``q``):
+``P(G = k) = q (1 - q)^k``, the number of records skipped before the next one taken. That is the same law as one
+coin per record, at a cost of ``O(q N)`` instead of ``O(N)``. Each gap is drawn from 64-bit integer words
+(:func:`~lightning_oso.randomness.random_words`) so that its probabilities can be counted exactly
+(:class:`GapLaw`): a float uniform compared with ``q`` takes a record with probability ``#{grid points below q} /
+#{grid points}``, which for torch's float32 ``rand`` is ``2^-23 = 1.19 q`` at ``q = 1e-7``.
 """
 
 from __future__ import annotations
@@ -9,8 +16,10 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterator, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
 from torch.utils.data import (
@@ -26,8 +35,231 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_oso import randomness
 from lightning_oso.errors import PrivacyConfigurationError
-from lightning_oso.randomness import SAMPLING, RunRandomness, Seed
+from lightning_oso.randomness import SAMPLING, Generator, RunRandomness, Seed
 from lightning_oso.validation import check_int
+
+# The block uniform: a first word below 2^48 (probability 2^-16) takes a second word, so that the uniform stays within
+# 2^-52 relative of its ideal value down to 2^-127 (below 2^-16 a 64-bit grid alone would be too coarse for that).
+_REFINE_UNIFORM = 2.0**-16  # the uniforms of first words below 2^48
+_SMALLEST_UNIFORM = 2.0**-127  # the smallest positive block uniform
+_ACCEPT_BITS = 53  # a proposal's acceptance is decided on a 53-bit uniform integer
+_MAX_LOW_BITS = 60  # the low part of a gap has at most 60 bits (reached only for q < 6e-19)
+_LONGEST_GAP = 2**62  # past the end of any index set; keeps sums of gaps in int64
+_EXPONENTS = 1024  # the biased float64 exponents of [0, 1]
+
+
+@dataclass(frozen=True, eq=False)
+class GapLaw:
+    """The law of the gap ``G`` between consecutive records of a Poisson sample at rate ``q``, Geometric(``q``):
+    ``P(G = k) = q (1 - q)^k``, as :func:`draw_gaps` draws it from 64-bit words.
+
+    ``G = 2^L A + R`` with ``A`` and ``R`` independent; ``2^L`` is the largest power of two at most ``ln 2 /
+    lambda`` (``lambda = -log(1 - q)``; ``L = 0`` for ``q > 1 - 2^-1/2``), so that ``(1 - q)^r > 1/2`` for every
+    ``r < 2^L``:
+
+    - the *low part* ``R``, on ``[0, 2^L)`` with ``P(R = r)`` proportional to ``(1 - q)^r``, by rejection: ``r``
+      is the top ``L`` bits of a word, exactly uniform, and is accepted when a uniform 53-bit integer lies below
+      ``t_r 2^53`` (``t_r``, :func:`acceptance_probabilities`, is ``(1 - q)^r`` in float64), with probability
+      exactly ``ceil(t_r 2^53) / 2^53``, within ``2^-52`` relative of ``t_r`` since ``t_r > 1/2``. The accepted
+      ``r`` have the law ``ceil(t_r 2^53) / sum_r' ceil(t_r' 2^53)``;
+    - the *block* ``A``, Geometric with ``P(A >= a) = (1 - q)^(2^L a)``: the number of thresholds
+      ``u_a = (1 - q)^(2^L a)`` (``block_thresholds``) at or above a uniform ``U`` made from one or two words
+      (:func:`block_uniform`), so ``P(A >= a) = P(U <= u_a)``, exactly countable since ``U`` is a non-decreasing
+      function of the words. :func:`blocks` counts them without a search: by the float exponent of ``U``, the
+      thresholds above its binade, plus those inside it (at most two, as ``(1 - q)^(2^L) < 2^-1/2``, for any ``q``
+      above 6e-19).
+
+    Unlike one inverse transform ``floor(log U / log(1 - q))``, whose cells of width ``q`` lie on a float grid of
+    ``2^-53`` (1e-9 relative at ``q = 1e-7``), nothing here is resolved more finely than ``2^-50`` of itself: the
+    block's cells have probability at least ``(1 - 2^-1/2) u_a``. ``P(G = k)`` is within 1e-12 relative of
+    ``q (1 - q)^k`` for every ``k`` with ``(1 - q)^k >= 1e-22`` (``k <= 50 / q``; counted exactly in the tests for
+    ``q`` from 1e-12 to ``1 - 1e-9``, the largest error being 2e-14); the gaps beyond, of total probability
+    below 1e-22, have probabilities within ``2^-125`` of the ideal ones.
+
+    Attributes:
+        rate: ``q``.
+        log_keep: ``log(1 - q)`` (``-inf`` for ``q = 1``).
+        low_bits: ``L``.
+        block_thresholds: ``u_a`` for ``a = a_max, ..., 2, 1`` (ascending), down to the smallest positive ``U``.
+        block_starts: ``min(2^L A, 2^62)`` for ``A = 0, 1, ..., a_max``: the high part of a gap.
+        binade_counts: for each biased exponent ``e`` of a float64 in ``[0, 1]``, the number of thresholds at or
+            above ``2^(e - 1022)``, the top of its binade (all of them for ``e = 0``).
+        binade_thresholds: ``(k, 1024)``: the thresholds inside each binade (``-1`` where fewer than ``k``).
+        acceptance: the expected fraction of low-part proposals accepted (above 1/2).
+    """
+
+    rate: float
+    log_keep: float
+    low_bits: int
+    block_thresholds: np.ndarray
+    block_starts: np.ndarray
+    binade_counts: np.ndarray
+    binade_thresholds: np.ndarray
+    acceptance: float
+
+
+def gap_law(rate: float) -> GapLaw:
+    """The :class:`GapLaw` of rate ``q`` in ``(0, 1]``.
+
+    Raises:
+        PrivacyConfigurationError: for ``rate`` outside ``(0, 1]``.
+    """
+    rate = _check_rate("sample_rate", rate)
+    log_keep = math.log1p(-rate) if rate < 1 else -math.inf  # q = 1: every gap is 0, nothing is drawn
+    low_bits = 0
+    while low_bits < _MAX_LOW_BITS and 2.0 ** (low_bits + 1) * -log_keep <= math.log(2):
+        low_bits += 1
+    log_block = log_keep * 2.0**low_bits  # exact: a power of two
+    # thresholds below the smallest positive uniform are never reached; blocks past 2^(62 - L) are past any index set
+    count = 0 if rate == 1 else math.floor(127 * math.log(2) / -log_block) + 2
+    count = min(count, 2 ** (_LONGEST_GAP.bit_length() - 1 - low_bits) + 1)
+    thresholds = np.exp(np.arange(count, 0, -1, dtype=np.float64) * log_block)
+    thresholds = thresholds[thresholds >= _SMALLEST_UNIFORM]
+    starts = [min(a << low_bits, _LONGEST_GAP) for a in range(len(thresholds) + 1)]
+    counts, inside = _binade_tables(thresholds)
+    # the mean of (1 - q)^r over r uniform on [0, 2^L): (1 - (1 - q)^(2^L)) / (2^L q)
+    acceptance = 1.0 if low_bits == 0 else math.expm1(log_block) / (2.0**low_bits * math.expm1(log_keep))
+    return GapLaw(rate, log_keep, low_bits, thresholds, np.array(starts, np.int64), counts, inside, acceptance)
+
+
+def _binade_tables(thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per biased exponent ``e`` of ``[0, 1]``: the thresholds at or above ``2^(e - 1022)`` (a count) and those in
+    ``[2^(e - 1023), 2^(e - 1022))`` (a ``(k, 1024)`` table padded with ``-1``, below every uniform)."""
+    exponents = thresholds.view(np.int64) >> 52  # ascending, as the thresholds are (positive normal floats)
+    every = np.arange(_EXPONENTS)
+    counts = len(thresholds) - np.searchsorted(exponents, every, side="right")
+    counts[0] = len(thresholds)  # U = 0 (the words all zero) is below every threshold
+    first = np.searchsorted(exponents, every, side="left")  # the first threshold inside each binade
+    crowd = int(np.bincount(exponents, minlength=_EXPONENTS).max(initial=0)) if len(thresholds) else 0
+    inside = np.full((crowd, _EXPONENTS), -1.0)
+    for row in range(crowd):
+        at = first + row
+        here = (at < len(thresholds)) & (exponents[np.minimum(at, len(thresholds) - 1)] == every)
+        inside[row, here] = thresholds[at[here]]
+    return counts.astype(np.int64), inside
+
+
+def acceptance_probabilities(law: GapLaw, low: np.ndarray) -> np.ndarray:
+    """``t_r``, ``(1 - q)^r`` in float64, for each low part ``r``: a proposal ``r`` is accepted with probability
+    ``ceil(t_r 2^53) / 2^53``."""
+    return np.exp(low * law.log_keep)  # r becomes float64 (rounded beyond 2^53, by < 2^-53 relative)
+
+
+def block_uniform(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """A uniform in ``[0, 1]`` (float64) from 64-bit words: non-decreasing in the number ``Z = floor(first / 2)
+    2^63 + floor(second / 2)`` and within ``2^-52`` relative of ``Z / 2^126``.
+
+    ``floor(first / 2) 2^-63`` (rounded to float64) where ``first >= 2^48``, which needs no ``second``; where ``first
+    < 2^48`` (probability ``2^-16``), ``Z 2^-126``: ``second`` holds one word for each such entry, in order. So
+    ``P(U <= x)`` is within ``2^-51 x`` of ``x``, plus the grid's ``2^-63`` above ``2^-16`` and ``2^-126`` below.
+    """
+    # halved words are int64, whose conversion to float64 is one instruction (uint64's branches on the top bit)
+    uniform = (first >> np.uint64(1)).view(np.int64) * 2.0**-63
+    if len(second):
+        refine = uniform < _REFINE_UNIFORM  # first < 2^48 exactly: float64 is exact below 2^53
+        high, low = (first[refine] >> np.uint64(1)).view(np.int64), (second >> np.uint64(1)).view(np.int64)
+        uniform[refine] = (high * 2.0**63 + low) * 2.0**-126  # high 2^63 < 2^110 is exact; the sum rounds once
+    return uniform
+
+
+def blocks(law: GapLaw, uniform: np.ndarray) -> np.ndarray:
+    """``A = #{a : U <= u_a}`` for each block uniform ``U`` (``int64``): the thresholds above ``U``'s binade, plus
+    those inside it at or above ``U``."""
+    exponent = uniform.view(np.int64) >> 52
+    count = law.binade_counts[exponent]
+    for inside in law.binade_thresholds:
+        count += uniform <= inside[exponent]
+    return count
+
+
+def draw_gaps(law: GapLaw, count: int, generator: Generator | None, cap: int = _LONGEST_GAP) -> np.ndarray:
+    """``count`` independent gaps of law ``law`` (``int64``), each clipped at ``cap`` (a gap of ``cap`` or more
+    records ends the index set: beyond it nothing is drawn).
+
+    The words are consumed in a fixed order: the low-part proposals and the block words in one draw, then, only where
+    needed, the second words of small block uniforms, the remaining bits of undecided acceptances, and more
+    proposals when too few were accepted (all rare).
+    """
+    if law.rate == 1:
+        return np.zeros(count, dtype=np.int64)
+    proposals = 0 if law.low_bits == 0 else _proposals_for(count, law.acceptance)
+    words = randomness.random_words(proposals + count, generator)
+    first = words[proposals:]
+    uniform = block_uniform(first, first[:0])
+    if uniform.min() < _REFINE_UNIFORM:  # rare (2^-16 a gap): the uniforms below 2^-16 take a second word
+        refine = int(np.count_nonzero(uniform < _REFINE_UNIFORM))
+        uniform = block_uniform(first, randomness.random_words(refine, generator))
+    gaps = law.block_starts[blocks(law, uniform)]  # 2^L A
+    if law.low_bits:
+        low = _accepted_low_parts(law, words[:proposals], generator)
+        while len(low) < count:
+            more = randomness.random_words(_proposals_for(count - len(low), law.acceptance), generator)
+            low = np.concatenate([low, _accepted_low_parts(law, more, generator)])
+        gaps.view(np.uint64)[:] += low[:count]  # both below 2^62: no sign to lose
+    return np.minimum(gaps, cap, out=gaps)
+
+
+def _proposals_for(count: int, acceptance: float) -> int:
+    """Low-part proposals enough for ``count`` acceptances but with probability below 1e-4."""
+    return math.ceil((count + 4 * math.sqrt(count) + 4) / acceptance)
+
+
+def _accepted_low_parts(law: GapLaw, words: np.ndarray, generator: Generator | None) -> np.ndarray:
+    """The low parts (``uint64``) of the accepted proposals among ``words``, in order: ``r`` is a word's top ``L``
+    bits, accepted when the uniform 53-bit integer ``Y`` made of the word's next bits (and, when those are fewer than
+    53 and leave the comparison open, the top bits of a further word) is below ``t_r 2^53``."""
+    spare = 64 - law.low_bits  # the bits of the word below r
+    low = words >> np.uint64(spare)
+    threshold = acceptance_probabilities(law, low)
+    fraction = words & np.uint64(2**spare - 1)
+    if spare >= _ACCEPT_BITS:
+        threshold *= 2.0**_ACCEPT_BITS
+        return low[(fraction >> np.uint64(spare - _ACCEPT_BITS)) < threshold]
+    # Y = fraction 2^m + e with e the m = 53 - spare bits not drawn yet: Y < t 2^53 for every e when fraction <
+    # floor(t 2^spare), for none when fraction > floor(t 2^spare); when equal, e decides
+    threshold *= 2.0**spare
+    whole = np.floor(threshold)
+    accepted = fraction < whole
+    undecided = fraction == whole
+    if undecided.any():
+        missing = _ACCEPT_BITS - spare
+        rest = randomness.random_words(int(np.count_nonzero(undecided)), generator) >> np.uint64(64 - missing)
+        accepted[undecided] = (fraction[undecided] << np.uint64(missing)) + rest < threshold[undecided] * 2.0**missing
+    return low[accepted]
+
+
+def poisson_positions(num_samples: int, law: GapLaw, generator: Generator | None) -> np.ndarray:
+    """A Poisson sample of ``range(num_samples)`` at ``law.rate``: the positions taken, increasing (``int64``).
+
+    Position ``G_0`` is the first taken, then ``G_0 + 1 + G_1``, ..., until past the end, the ``G_i`` independent
+    gaps (:func:`draw_gaps`): each position is taken with probability ``q``, independently of the others, exactly as
+    by one coin per position. The gaps come in chunks of the expected count plus three standard deviations (another
+    chunk follows in the rare case the first ends before the index set does); the cost is ``O(q N)``.
+    """
+    if law.rate == 1:
+        return np.arange(num_samples, dtype=np.int64)
+    chunks, start = [], 0  # start: the first position not yet decided
+    while start < num_samples:
+        remaining = num_samples - start
+        count = _chunk_size(remaining, law.rate)
+        steps = draw_gaps(law, count, generator, cap=remaining)
+        steps += 1
+        positions = np.cumsum(steps, out=steps)
+        positions += start - 1
+        inside = int(np.searchsorted(positions, num_samples))
+        chunks.append(positions[:inside])
+        if inside < count:  # a gap went past the end
+            break
+        start = int(positions[-1]) + 1
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks or [np.empty(0, dtype=np.int64)])
+
+
+def _chunk_size(remaining: int, rate: float) -> int:
+    """Gaps to draw for ``remaining`` positions: the expected count plus three standard deviations, so that another
+    chunk is rarely needed; at most one past the end, and few enough that their sum stays in int64."""
+    mean = remaining * rate
+    count = math.ceil(mean + 3 * math.sqrt(mean * (1 - rate)) + 4)
+    return min(count, remaining + 1, _LONGEST_GAP // (remaining + 1))
 
 
 class PoissonBatchSampler:
@@ -56,6 +288,11 @@ class PoissonBatchSampler:
     ...``, each at rate ``q`` from a stream of its own (its rank is part of the stream's key). The shards partition
     the records and the draws are independent, so the batches of all processes together are a Poisson sample of the
     whole dataset at rate ``q``: the rate the accountant sees.
+
+    The draw (:func:`poisson_positions`) takes the gaps between the records of the shard it takes, not one coin per
+    record: the same law (each record with probability ``q``, independently; exact to 1e-12 relative, see
+    :class:`GapLaw`), at a cost proportional to the expected batch, not to ``N``. With ``seed=None`` the words come
+    from the operating system (``os.urandom``), with the same exactness.
 
     Args:
         num_samples: ``N``, the size of the index set (of the dataset, without ``indices``).
@@ -101,6 +338,7 @@ class PoissonBatchSampler:
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.sample_rate = _check_rate("sample_rate", sample_rate)
+        self.gaps = gap_law(self.sample_rate)
         self.steps = check_int("steps", steps, minimum=1)
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.micro_batches = check_int("micro_batches", micro_batches, minimum=1)
@@ -132,15 +370,16 @@ class PoissonBatchSampler:
         return self.steps * self.micro_batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        shard = torch.arange(self.rank, self.num_samples, self.world_size)
+        shard_size = len(range(self.rank, self.num_samples, self.world_size))
         for _ in range(self.steps):
             step, self.next_step = self.next_step, self.next_step + 1
             generator = self.randomness.generator(SAMPLING, step, rank=self.rank)
-            mask = randomness.uniform(len(shard), generator) < self.sample_rate
+            taken = poisson_positions(shard_size, self.gaps, generator)  # positions in the shard
+            picked = torch.from_numpy(taken * self.world_size + self.rank)  # positions in the index set
             if self.micro_batches == 1:
-                yield self._records(shard[mask])
+                yield self._records(picked)
                 continue
-            for part in torch.tensor_split(shard[mask], self.micro_batches):
+            for part in torch.tensor_split(picked, self.micro_batches):
                 yield self._records(part)
 
     def _records(self, positions: torch.Tensor) -> list[int]:

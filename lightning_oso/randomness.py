@@ -244,3 +244,18 @@ def uniform(count: int, generator: Generator | None) -> Tensor:
     if isinstance(generator, SecureRandom):
         return generator.uniform((count,))
     return torch.rand(count, generator=generator)
+
+
+def random_words(count: int, generator: Generator | None) -> np.ndarray:
+    """``count`` uniform 64-bit words (a numpy ``uint64`` array, on the CPU) from ``generator``.
+
+    Every bit of a word is drawn: torch's CPU generator gives its 64-bit outputs (two consecutive 32-bit outputs of
+    the Mersenne Twister, the first in the high half), the secure one 8 bytes of ``os.urandom`` a word. Integer words
+    let a caller make a probability exact by counting (``k`` values of ``2^64`` below a threshold), which a float
+    uniform's uneven grid does not allow.
+    """
+    if isinstance(generator, SecureRandom):
+        return np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
+    # random_ over the whole int64 range takes one full 64-bit output per number
+    words = torch.empty(count, dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    return words.numpy().view(np.uint64)
