@@ -87,8 +87,8 @@ def bernoulli(p: Tensor, words: Words) -> Tensor:
     p = torch.nan_to_num(p.to(torch.float64), nan=0.0)
     result = words(p.numel(), p.device).reshape(p.shape) < (p * 2.0**WORD_BITS).to(torch.int64)
     small = (p < 2.0**-_PREFIX_BITS) & (p > 0)
-    if bool(small.any()):  # a branch on the trials' probabilities (noise, never data)
-        index = small.reshape(-1).nonzero().squeeze(1)
+    index = small.reshape(-1).nonzero().squeeze(1)  # trials this rare (their probabilities are noise, never data)
+    if index.numel():
         q = p.reshape(-1)[index]
         _, exponent = torch.frexp(q)  # q = m 2^exponent, m in [1/2, 1)
         zero_bits = (-_PREFIX_BITS - exponent).to(torch.int64)  # j >= 0: q 2^j in [2^-10, 2^-9)
@@ -152,23 +152,22 @@ def discrete_gaussian(
 
     Args:
         shape: the output's shape.
-        scale: ``s``, a 0-dim float64 tensor on the device the draws are made on, at most ``2^laplace_bits`` (and
-            not far below it, or most proposals are rejected).
+        scale: ``s``, float64, broadcastable to ``shape`` (one scale per row, say), on the device the draws are made
+            on; at most ``2^laplace_bits`` and not far below it, or most proposals are rejected.
         words: the source of uniform bits.
         laplace_bits: ``log2(t)``; the release uses ``s`` in ``[2^30, 2^31)`` and ``t = 2^31``.
     """
     device = scale.device
     count = math.prod(shape)
-    s = scale.to(torch.float64)
+    s = scale.to(torch.float64).expand(shape).reshape(-1)
     t = float(2**laplace_bits)
-    centre = s * s / t
-    two_variance = 2.0 * s * s
     out = torch.empty(count, dtype=torch.int64, device=device)
     pending = torch.arange(count, device=device)
     while pending.numel():
         proposal = discrete_laplace(pending.numel(), device, words, laplace_bits)
-        excess = proposal.abs().to(torch.float64) - centre
-        keep = bernoulli(torch.exp(-(excess * excess) / two_variance), words)
+        sp = s[pending]
+        excess = proposal.abs().to(torch.float64) - sp * sp / t
+        keep = bernoulli(torch.exp(-(excess * excess) / (2.0 * sp * sp)), words)
         out[pending[keep]] = proposal[keep]
         pending = pending[~keep]
     return out.reshape(shape)
@@ -224,7 +223,8 @@ def grid_noise_std(std: Tensor, multiplier: float, coordinates: int) -> Tensor:
 
 def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
     """``gamma * (round(values / gamma) + Z)``, ``Z ~ N_Z(0, (std / gamma)^2)`` per element, as float64 (exact: both
-    factors are exact, ``gamma`` a power of two). ``std`` is a 0-dim tensor, already :func:`grid_noise_std`'s."""
+    factors are exact, ``gamma`` a power of two). ``std`` is already :func:`grid_noise_std`'s: a 0-dim tensor, or
+    one per row (broadcastable to ``values``), each with its own grid."""
     exponent = grid_exponent(std)
     index = grid_index(values, exponent)
     scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)

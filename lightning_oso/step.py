@@ -396,17 +396,13 @@ def add_gaussian_noise(
 ) -> list[Tensor]:
     """Release row ``k`` of every parameter's sums on the grid of ``stds[k]`` with exact discrete Gaussian noise of
     standard deviation ``stds[k]`` (``exact_noise.release_on_grid``): new float64 tensors, inputs untouched. The rows
-    of all parameters are released as one vector (one grid and one draw per row)."""
+    of all parameters are released as one vector per row, all rows in one draw."""
     if not sums:
         return []
-    words = words_of(generator)
-    out = [torch.empty(s.shape, dtype=torch.float64, device=s.device) for s in sums]
-    for row in range(sums[0].shape[0]):
-        flat = torch.cat([s[row].reshape(-1).to(torch.float64) for s in sums])
-        noisy = exact_noise.release_on_grid(flat, stds[row].to(flat.device), words)
-        for target, part in zip(out, noisy.split([s[row].numel() for s in sums])):
-            target[row] = part.view(target.shape[1:])
-    return out
+    rows = sums[0].shape[0]
+    flat = torch.cat([s.reshape(rows, -1).to(torch.float64) for s in sums], dim=1)
+    noisy = exact_noise.release_on_grid(flat, stds.to(flat.device).reshape(rows, 1), words_of(generator))
+    return [part.reshape(s.shape) for part, s in zip(noisy.split([s[0].numel() for s in sums], dim=1), sums)]
 
 
 def gaussian_noise(generator: torch.Generator | SecureRandom | None = None) -> AddNoise:
@@ -436,4 +432,8 @@ def average(sums: Sequence[Tensor], expected_batch_size: float) -> list[Tensor]:
 def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     """Inner product of two vectors stored as lists of per-parameter tensors (a 0-dim tensor on their device): the
     OSO rule's update from released values."""
-    return torch.stack([torch.dot(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b)]).sum()  # no temporaries
+    products = []
+    for x, y in zip(a, b):
+        dtype = torch.promote_types(x.dtype, y.dtype)  # released values are float64; a caller's may be narrower
+        products.append(torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype)))
+    return torch.stack(products).sum()

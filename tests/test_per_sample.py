@@ -278,8 +278,9 @@ def test_private_step_reads_nothing_back_to_the_host(monkeypatch):
 
     def released():
         shapes = [p.shape for p in model.parameters()]
+        one = torch.tensor(1.0, dtype=torch.float64)
         direction = DeferredQuery(
-            [torch.randn(1, *s) for s in shapes], torch.randn(()), torch.tensor(1.0), gaussian_noise()
+            [torch.randn(1, *s, dtype=torch.float64) for s in shapes], torch.randn(()), one, one, 4.0, gaussian_noise()
         )
         return SanitisedStep(sums=tuple(torch.randn(1, *s) for s in shapes), scalars=None, deferred=(direction,))
 

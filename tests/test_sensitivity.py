@@ -467,7 +467,8 @@ def _released_through_trainer(monkeypatch, x, v, mode, device="cpu"):
         released = original(self, optimizer)
         # the direction query is deferred: its raw sum is read here, in the test, as the noise is off (the library
         # never returns it)
-        rows = [torch.cat([g, d]) for g, d in zip(released.sums, released.deferred[0]._sums)]
+        # (the deferred query keeps the raw sum S, the released rows are S / B)
+        rows = [torch.cat([g, d / self.expected_batch_size]) for g, d in zip(released.sums, released.deferred[0]._sums)]
         flat = torch.cat([s.reshape(s.shape[0], -1) for s in rows], dim=1)
         captured["sums"] = flat * self.expected_batch_size
         return released

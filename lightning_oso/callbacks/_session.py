@@ -207,6 +207,10 @@ class RunSession(Callback):
                 "(its clipping rule's state is in the checkpoint); the privacy history would carry over, but not C_t"
             )
         self.accountant.history = [list(s) for s in state_dict["accountant"]["history"]]
+        # the floating-point term per step of the steps taken (the larger, if this run's model releases more)
+        self.accountant.epsilon_per_step = max(
+            self.accountant.epsilon_per_step, float(state_dict["accountant"].get("epsilon_per_step", 0.0))
+        )
         self._epsilon_cache = None
         self._run_id = state_dict["ledger"]["run"]
         self._checkpoint_ledger = state_dict["ledger"]["path"]
