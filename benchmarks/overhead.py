@@ -9,7 +9,8 @@ order, so machine noise hits all alike):
 
 - ``non_private``: the plain Lightning step (the baseline of our variants);
 - ``floor``: the non-private Lightning step plus what any private step adds at the least: the per-sample gradient
-  norms of the batch and one Gaussian draw of the trainable parameters' size (float32, on the device). The norms
+  norms of the batch and one Gaussian draw of the trainable parameters' size (the exact release's discrete Gaussian
+  integers, on the device). The norms
   come from the library's public per-sample machinery as the strategy uses it (``per_sample.attach(module,
   "book_keeping", "mean")``, after backward ``per_sample.source(hooks, params).norms()``, then ``.release()``) but
   without the strategy's ``freeze()``: autograd's weight gradients, which the non-private step needs, stay;
@@ -71,7 +72,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibration import calibration_times
 
-from lightning_oso import OSODP, FixedThresholdDP, per_sample
+from lightning_oso import OSODP, FixedThresholdDP, exact_noise, per_sample
 
 OURS = ("non_private", "floor", "fixed_clip", "oso", "oso_hooks")
 OPACUS = ("torch_non_private", "opacus_hooks", "opacus_ghost")
@@ -297,8 +298,9 @@ class _Floor(L.Callback):
 
     The norms are the strategy's (``per_sample.attach`` with the book-keeping hooks and a mean loss; after backward,
     ``per_sample.source(...).norms()``, then ``release()``), but the hooks are not frozen as the strategy freezes
-    them: autograd's weight gradients stay, for the non-private update. The noise is drawn in float32, as the
-    private step draws it whatever the precision."""
+    them: autograd's weight gradients stay, for the non-private update. The noise is the exact release's: discrete
+    Gaussian integers at the release's scale (``exact_noise.discrete_gaussian``), as the private step draws them
+    whatever the precision."""
 
     def setup(self, trainer, pl_module, stage):
         self.hooks = per_sample.attach(pl_module, "book_keeping", "mean")
@@ -311,7 +313,8 @@ class _Floor(L.Callback):
         norms = per_sample.source(self.hooks, self.params)
         norms.norms()
         norms.release()
-        torch.randn(self.size, device=pl_module.device, dtype=torch.float32)
+        scale = torch.tensor(1.5 * 2.0**exact_noise.GRID_BITS, dtype=torch.float64, device=pl_module.device)
+        exact_noise.discrete_gaussian((self.size,), scale, exact_noise.torch_words(None))
 
     def teardown(self, trainer, pl_module, stage):
         per_sample.detach(self.hooks)
