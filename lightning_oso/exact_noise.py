@@ -147,8 +147,13 @@ def discrete_gaussian(
     shape: torch.Size | tuple[int, ...], scale: Tensor, words: Words, laplace_bits: int = LAPLACE_BITS
 ) -> Tensor:
     """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64
-    (CKS20, Algorithm 3: a discrete Laplace with scale ``t = 2^31 >= s``, kept with probability
-    ``exp(-(|Y| - s^2/t)^2 / (2 s^2))``).
+    (CKS20, Algorithm 3 with its discrete Laplace proposal of Algorithm 2, scale ``t = 2^31 >= s``).
+
+    The two rejection steps are one: a proposal ``(U, V, sign)`` (``U`` uniform below ``t``, ``V`` geometric with
+    ``P(V >= v) = e^-v``, ``|Y| = U + t V``) is kept with probability ``exp(-U/t - (|Y| - s^2/t)^2 / (2 s^2))``, the
+    product of the Laplace and the Gaussian acceptances, and a negative zero is drawn again. The kept ``Y`` has
+    ``P(y)`` proportional to ``exp(-|y|/t) exp(-(|y| - s^2/t)^2 / (2 s^2))``, which is ``exp(-y^2 / (2 s^2))`` times a
+    constant: the law of the two steps in sequence.
 
     Args:
         shape: the output's shape.
@@ -159,16 +164,22 @@ def discrete_gaussian(
     """
     device = scale.device
     count = math.prod(shape)
-    s = scale.to(torch.float64).expand(shape).reshape(-1)
-    t = float(2**laplace_bits)
+    t = 2**laplace_bits
+    uniform_scale = scale.numel() == 1  # one s for every draw (the common case): no per-draw gather
+    s = scale.to(torch.float64).reshape(()) if uniform_scale else scale.to(torch.float64).expand(shape).reshape(-1)
     out = torch.empty(count, dtype=torch.int64, device=device)
     pending = torch.arange(count, device=device)
     while pending.numel():
-        proposal = discrete_laplace(pending.numel(), device, words, laplace_bits)
-        sp = s[pending]
-        excess = proposal.abs().to(torch.float64) - sp * sp / t
-        keep = bernoulli(torch.exp(-(excess * excess) / (2.0 * sp * sp)), words)
-        out[pending[keep]] = proposal[keep]
+        n = pending.numel()
+        word = words(n, device)
+        uniform = word & (t - 1)
+        negative = ((word >> laplace_bits) & 1).bool()
+        magnitude = uniform + t * _geometric_inverse_e(n, device, words)
+        sp = s if uniform_scale else s[pending]
+        excess = magnitude.to(torch.float64) - sp * sp / t
+        exponent = uniform.to(torch.float64) / t + (excess * excess) / (2.0 * sp * sp)  # U / t is exact
+        keep = bernoulli(torch.exp(-exponent), words) & ~(negative & (magnitude == 0))
+        out[pending[keep]] = torch.where(negative, -magnitude, magnitude)[keep]
         pending = pending[~keep]
     return out.reshape(shape)
 
