@@ -164,9 +164,28 @@ def discrete_gaussian(
     """
     device = scale.device
     count = math.prod(shape)
-    t = 2**laplace_bits
     uniform_scale = scale.numel() == 1  # one s for every draw (the common case): no per-draw gather
     s = scale.to(torch.float64).reshape(()) if uniform_scale else scale.to(torch.float64).expand(shape).reshape(-1)
+    out = torch.empty(count, dtype=torch.int64, device=device)
+    # in chunks: the draws are independent, and a chunk's temporaries (a few int64 and float64 vectors of its size)
+    # stay small beside a large model's sums
+    for start in range(0, count, _CHUNK):
+        stop = min(count, start + _CHUNK)
+        out[start:stop] = _discrete_gaussian_flat(
+            stop - start, s if uniform_scale else s[start:stop], words, laplace_bits
+        )
+    return out.reshape(shape)
+
+
+#: Draws per chunk of :func:`discrete_gaussian`.
+_CHUNK = 2**20
+
+
+def _discrete_gaussian_flat(count: int, s: Tensor, words: Words, laplace_bits: int) -> Tensor:
+    """``count`` draws of :func:`discrete_gaussian`, with ``s`` 0-dim or one per draw."""
+    device = s.device
+    t = 2**laplace_bits
+    uniform_scale = s.dim() == 0
     out = torch.empty(count, dtype=torch.int64, device=device)
     pending = torch.arange(count, device=device)
     while pending.numel():
@@ -181,7 +200,7 @@ def discrete_gaussian(
         keep = bernoulli(torch.exp(-exponent), words) & ~(negative & (magnitude == 0))
         out[pending[keep]] = torch.where(negative, -magnitude, magnitude)[keep]
         pending = pending[~keep]
-    return out.reshape(shape)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------- the grid
