@@ -26,13 +26,12 @@ Each stream is a torch generator keyed by the derived seed sequence: on the CPU 
 collide by the birthday bound after ~10^5 streams), on CUDA a Philox generator keyed by 64 bits of it.
 
 ``secure_rng=True`` replaces all of this by the operating system's CSPRNG (:class:`SecureRandom`): nothing to seed,
-resume or predict, at about 10x the cost of a normal draw on the CPU (``benchmarks/noise_generation.py``).
+resume or predict; the exact noise costs about twice as much on the CPU (``benchmarks/noise_generation.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import TypeAlias
 
@@ -53,55 +52,19 @@ Seed: TypeAlias = int | np.random.SeedSequence | None
 
 
 class SecureRandom:
-    """Uniform and standard normal tensors from the operating system's CSPRNG (``os.urandom``).
-
-    Normal draws use the Box-Muller transform on 53-bit uniforms, computed in float64 on the target device and
-    rounded to the requested dtype. Most of the cost is reading 8 bytes a number from the kernel's generator.
+    """Uniform random words from the operating system's CSPRNG (``os.urandom``): the bits of the exact noise sampler
+    (``exact_noise``) and of the Poisson sampler when ``secure_rng=True``. Nothing to seed, resume or predict.
 
     Example:
-        >>> rng = SecureRandom()
-        >>> noise = rng.normal((3, 4), device="cpu", dtype=torch.float32)
-        >>> noise.shape, noise.dtype
-        (torch.Size([3, 4]), torch.float32)
-        >>> u = rng.uniform((1000,))
-        >>> bool(((0 < u) & (u < 1)).all())
-        True
+        >>> words = SecureRandom().words(1000)
+        >>> words.dtype, bool(((0 <= words) & (words < 2**62)).all())
+        (torch.int64, True)
     """
-
-    def _uniform_open(self, count: int) -> np.ndarray:
-        """``count`` float64 uniforms in the open interval (0, 1): 53 random bits each, plus half a step."""
-        bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(11)
-        return (bits.astype(np.float64) + 0.5) * 2.0**-53
-
-    def uniform(
-        self,
-        shape: tuple[int, ...] | torch.Size,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float64,
-    ) -> Tensor:
-        """Uniform draws in the open interval (0, 1), 53 random bits each."""
-        count = math.prod(shape)
-        return torch.from_numpy(self._uniform_open(count)).reshape(shape).to(device=device, dtype=dtype)
 
     def words(self, count: int, device: torch.device | str = "cpu") -> Tensor:
         """``count`` int64 words of 62 uniform bits each (the exact sampler's random bits, ``exact_noise``)."""
         bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(2)
         return torch.from_numpy(bits.astype(np.int64)).to(device)
-
-    def normal(
-        self,
-        shape: tuple[int, ...] | torch.Size,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> Tensor:
-        """Standard normal draws (Box-Muller: both outputs of each pair of uniforms are used)."""
-        count = math.prod(shape)
-        pairs = (count + 1) // 2
-        u = torch.from_numpy(self._uniform_open(2 * pairs)).to(device).reshape(2, pairs)
-        radius = u[0].log_().mul_(-2.0).sqrt_()  # in place, in torch: on the device, on all its threads
-        angle = u[1].mul_(2.0 * math.pi)
-        z = torch.cat([radius * torch.cos(angle), radius.mul_(torch.sin(angle))])[:count]
-        return z.reshape(shape).to(dtype=dtype)
 
 
 #: Where a draw comes from: a keyed torch generator, or the operating system's CSPRNG.
@@ -225,25 +188,11 @@ def _mt19937_state(words: np.ndarray) -> torch.Tensor:
     return _with_words(_template_state(), words)
 
 
-def standard_normal_like(like: Tensor, generator: Generator | None) -> Tensor:
-    """A tensor of ``N(0, 1)`` draws with ``like``'s shape, dtype and device, from ``generator``."""
-    if isinstance(generator, SecureRandom):
-        return generator.normal(like.shape, device=like.device, dtype=like.dtype)
-    return torch.empty_like(like).normal_(generator=generator)  # on like's device; normal_ beats randn on CPU
-
-
 def words_of(generator: Generator | None) -> Words:
     """The exact sampler's source of uniform 62-bit words (``exact_noise.Words``) from ``generator``."""
     if isinstance(generator, SecureRandom):
         return generator.words
     return torch_words(generator)
-
-
-def uniform(count: int, generator: Generator | None) -> Tensor:
-    """``count`` uniform draws in [0, 1) on the CPU (float32 for torch's generator, float64 for the secure one)."""
-    if isinstance(generator, SecureRandom):
-        return generator.uniform((count,))
-    return torch.rand(count, generator=generator)
 
 
 def random_words(count: int, generator: Generator | None) -> np.ndarray:

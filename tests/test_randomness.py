@@ -9,31 +9,26 @@ from scipy import stats
 
 from lightning_oso import OSODP
 from lightning_oso.data import PoissonBatchSampler
-from lightning_oso.randomness import SecureRandom, standard_normal_like
+from lightning_oso.randomness import SecureRandom, words_of
 from lightning_oso.validation import PrivacyConfigurationError
 
 
-def test_secure_normal_and_uniform_distributions():
-    # unseeded by design, so the thresholds are far in the tail (a 1e-4 threshold failed once in a CI run; a wrong
-    # distribution on 1e5 draws gives p-values near 0)
-    rng = SecureRandom()
-    z = rng.normal((200_001,), dtype=torch.float64).numpy()  # odd count: the last Box-Muller pair is cut
-    assert z.shape == (200_001,)
-    assert stats.kstest(z, "norm").pvalue > 1e-7
-    # the two halves of the Box-Muller pairs are independent of each other
-    assert abs(np.corrcoef(z[:100_000], z[100_000:200_000])[0, 1]) < 0.015
-    u = rng.uniform((100_000,)).numpy()
-    assert 0 < u.min() and u.max() < 1 and stats.kstest(u, "uniform").pvalue > 1e-7
-    assert not torch.equal(rng.normal((10,)), rng.normal((10,)))  # nothing repeats: no seed
+def test_secure_words_are_uniform_and_never_repeat():
+    # unseeded by design, so the thresholds are far in the tail (a wrong distribution on 1e5 draws gives p-values
+    # near 0)
+    words = SecureRandom().words(100_000)
+    assert words.dtype == torch.int64 and int(words.min()) >= 0 and int(words.max()) < 2**62
+    u = (words.double() / 2.0**62).numpy()
+    assert stats.kstest(u, "uniform").pvalue > 1e-7
+    assert not torch.equal(SecureRandom().words(10), SecureRandom().words(10))  # nothing repeats: no seed
 
 
-def test_normal_like_keeps_shape_dtype_and_seeded_generators_reproduce():
-    like = torch.zeros(3, 4, dtype=torch.float32)
-    assert standard_normal_like(like, SecureRandom()).shape == (3, 4)
-    assert standard_normal_like(like, SecureRandom()).dtype == torch.float32
-    a = standard_normal_like(like, torch.Generator().manual_seed(5))
-    b = standard_normal_like(like, torch.Generator().manual_seed(5))
+def test_keyed_words_reproduce_and_secure_words_are_the_secure_generators():
+    a = words_of(torch.Generator().manual_seed(5))(8, torch.device("cpu"))
+    b = words_of(torch.Generator().manual_seed(5))(8, torch.device("cpu"))
     assert torch.equal(a, b)
+    secure = SecureRandom()
+    assert words_of(secure) == secure.words
 
 
 def test_secure_poisson_sampling_has_the_binomial_batch_sizes():

@@ -104,7 +104,7 @@ _SHARED_ARGS_DOC = {
     "secure_rng": """secure_rng: draw the Poisson sampling and the Gaussian noise from the operating system's
             cryptographically secure generator (``os.urandom``) instead of torch's seeded ones, so that nobody who
             learns a seed or a generator state can predict (and subtract) the noise. Not reproducible, cannot be
-            combined with ``seed``; noise draws about 10x slower on CPU (``benchmarks/noise_generation.py``).""",
+            combined with ``seed``; noise draws about 2x slower on CPU (``benchmarks/noise_generation.py``).""",
     "ledger_path": """ledger_path: where the write-ahead privacy ledger goes: one line per executed step, written
             before the step's output can leave the process, so a resume charges every step ever executed, also
             those after the last checkpoint of a run that crashed. ``None`` (default):
