@@ -272,6 +272,7 @@ class HonestGridSearch(PrivateSearch):
         else:
             order = self._random_stopping_draws()
         total = len(order) * len(self.seeds)
+        self._epsilon_per_step = 0.0  # the largest the runs' callbacks charged (exact_noise.floating_point_epsilon)
         bar = _progress_bar(total, self.progress)
         records: list[RunRecord] = []
         scores: dict[int, list[float]] = {}
@@ -291,6 +292,8 @@ class HonestGridSearch(PrivateSearch):
                     ledger = draw_ledger or self._new_ledger()
                 candidate = dict(self.candidates[index])
                 outcome = self.train({**candidate, "seed": seed}, self._dp_arguments(ledger))
+                # the exact release's floating-point term per step, which the runs' callbacks set on the accountant
+                self._epsilon_per_step = max(self._epsilon_per_step, ledger.epsilon_per_step)
                 self._check_run(candidate, outcome.steps)
                 records.append(RunRecord(candidate, seed, outcome.score, outcome.steps, outcome.metrics))
                 scores.setdefault(index, []).append(outcome.score)
@@ -352,7 +355,9 @@ class HonestGridSearch(PrivateSearch):
         seeds = len(self.seeds)
 
         def spent(runs: list[tuple[int, int, tuple]], delta: float) -> float:
-            return compute_epsilon([event for _, _, events in runs for event in events], delta, self.accountant)
+            events = [event for _, _, events in runs for event in events]
+            # the accountant's epsilon plus the exact release's floating-point term of every step (exact_noise)
+            return compute_epsilon(events, delta, self.accountant) + self._epsilon_per_step * total_steps(events)
 
         if self.accounting == "composition":
             # every run of every seed: one composition
