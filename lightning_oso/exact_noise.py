@@ -13,11 +13,13 @@ certainty.
 
 The sampler (CKS20, Algorithms 1-3, vectorised over all coordinates at once):
 
-- :func:`bernoulli`: ``P(True) = p`` *exactly* for a float64 ``p``, from uniform bits (``p = m 2^-k`` with a 53-bit
-  mantissa ``m``: the first ``k`` bits of a uniform number are zero, and a 53-bit uniform integer is below ``m 2^53``);
-- :func:`discrete_laplace` with scale ``t = 2^31``: a uniform ``U < t`` kept with probability ``exp(-U / t)``, plus
-  ``t`` times a geometric count of ``Bernoulli(e^-1)`` successes, with a random sign (zero counted once);
-- :func:`discrete_gaussian`: a discrete Laplace ``Y`` kept with probability ``exp(-(|Y| - s^2/t)^2 / (2 s^2))``.
+- :func:`bernoulli`: ``P(True) = p`` *exactly* for a float64 ``p``, from uniform bits (for ``p >= 2^-9``,
+  ``p 2^62`` is an integer and one 62-bit word is below it with probability ``p``; a smaller ``p`` takes leading
+  zero bits from further words);
+- the discrete Laplace proposal with scale ``t = 2^31``: a uniform ``U < t`` and ``t`` times a geometric count of
+  ``Bernoulli(e^-1)`` successes, with a random sign (zero counted once);
+- :func:`discrete_gaussian`: the proposal ``Y`` kept with probability ``exp(-U/t - (|Y| - s^2/t)^2 / (2 s^2))``,
+  the Laplace and the Gaussian acceptances as one trial.
 
 Every probability the sampler uses is a float64 number, and each Bernoulli trial has exactly that probability, so the
 law of the output differs from ``N_Z(0, s^2)`` only through the float64 rounding of those probabilities: within a
@@ -118,31 +120,6 @@ def _geometric_inverse_e(count: int, device: torch.device, words: Words) -> Tens
 
 
 # ----------------------------------------------------------------------------------------------------- samplers
-def discrete_laplace(count: int, device: torch.device, words: Words, scale_bits: int = LAPLACE_BITS) -> Tensor:
-    """``count`` draws with ``P(y)`` proportional to ``exp(-|y| / t)``, ``t = 2^scale_bits`` (CKS20, Algorithm 2).
-
-    ``y = (U + t V)`` with a random sign: ``U`` uniform below ``t``, kept with probability ``exp(-U / t)``; ``V``
-    geometric with ``P(V >= v) = e^-v``; a negative zero is drawn again, so that 0 is not counted twice.
-    """
-    t = 2**scale_bits
-    out = torch.empty(count, dtype=torch.int64, device=device)
-    pending = torch.arange(count, device=device)
-    while pending.numel():
-        n = pending.numel()
-        word = words(n, device)
-        uniform = word & (t - 1)
-        negative = ((word >> scale_bits) & 1).bool()
-        keep = bernoulli(torch.exp(-uniform.to(torch.float64) / t), words)  # U / t is exact: t is a power of 2
-        kept = keep.nonzero().squeeze(1)
-        magnitude = uniform[kept] + t * _geometric_inverse_e(kept.numel(), device, words)
-        sign = negative[kept]
-        valid = ~(sign & (magnitude == 0))  # -0 is drawn again: 0 counted once
-        out[pending[kept[valid]]] = torch.where(sign, -magnitude, magnitude)[valid]
-        keep[kept[~valid]] = False
-        pending = pending[~keep]
-    return out
-
-
 def discrete_gaussian(
     shape: torch.Size | tuple[int, ...], scale: Tensor, words: Words, laplace_bits: int = LAPLACE_BITS
 ) -> Tensor:

@@ -63,7 +63,7 @@ class SecureRandom:
 
     def words(self, count: int, device: torch.device | str = "cpu") -> Tensor:
         """``count`` int64 words of 62 uniform bits each (the exact sampler's random bits, ``exact_noise``)."""
-        bits = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) >> np.uint64(2)
+        bits = random_words(count, self) >> np.uint64(2)
         return torch.from_numpy(bits.astype(np.int64)).to(device)
 
 

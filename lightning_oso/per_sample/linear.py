@@ -182,9 +182,8 @@ class OuterProduct:
         over records (``parts.zero_unweighted``), or left out of the split's groups.
 
         Each product starts with the weight and the output gradient, ``(W_ik b_it) a_it``, never ``(W_ik a_it)
-        b_it``: the weight is at most 1 (times a mean loss's ``n``, which ``b`` carries as ``1/n``), so ``W_ik b_it``
-        is at most the record's own output gradient, while ``W_ik a_it`` can overflow (``n`` times an input near the
-        float maximum) at a position whose output gradient is 0, and ``inf * 0`` is NaN."""
+        b_it``: the weight is at most 1, so ``W_ik b_it`` is at most the record's own output gradient, while
+        ``W_ik a_it`` could overflow at a position whose output gradient is 0, and ``inf * 0`` is NaN."""
         weights = weights.to(self.b.dtype)
         weighted = weighted_records(weights)
         sums: Sums = {}
