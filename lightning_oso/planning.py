@@ -189,3 +189,75 @@ def check_min_steps(min_steps: int, min_epochs: int, batches_per_epoch: float, g
             f"the trainer must run at least {needed} steps (min_epochs/min_steps), but the privacy budget allows "
             f"{allowed}; lower min_epochs/min_steps or raise the budget"
         )
+
+
+#: OSO's sign tests are reported unreliable when even a tenth of the largest possible signal is below the noise's
+#: standard deviation (then that signal's sign is right less than 84% of the time; docs/algorithms.md, "When OSO
+#: cannot learn its hyperparameters").
+OSO_MIN_SIGNAL_TO_NOISE = 10.0
+#: ``C_t`` (``rho_t``) is reported stuck when all of the run's steps agreeing in sign would not double or halve it:
+#: ``rho_c T < ln 2``.
+OSO_MIN_LOG_TRAVEL = math.log(2.0)
+
+
+def oso_signal_to_noise(
+    coordinates: int, gradient_noise_multiplier: float, direction_noise_multiplier: float, expected_batch_size: float
+) -> tuple[float, float]:
+    """The best-case signal-to-noise ratios of OSO's two sign tests, from settings alone: ``(clip, lr)``.
+
+    ``g~_t . q~_{t-1}`` (the test that moves ``C_t``) is at most ``C`` without noise (a mean of clipped gradients has
+    norm at most ``C``, a mean of unit directions at most 1); its noise has variance
+    ``C^2 (d nu_g^2 nu_q^2 / B^4 + nu_q^2 / B^2 + nu_g^2 / B^2)`` at that signal (the product of the two noises plus
+    each noise times the other's signal). ``g~_t . g~_{t-1}`` (the test that moves ``rho_t``) is at most ``C^2``, with
+    noise variance ``C^4 (d nu_g^4 / B^4 + 2 nu_g^2 / B^2)``. ``C`` cancels: each ratio depends on the model size
+    ``d``, the noise multipliers and the expected batch size ``B`` only.
+
+    Example:
+        >>> clip, lr = oso_signal_to_noise(551_322, 1.16, 8.26, 512)  # the paper's MNIST CNN at batch 512
+        >>> round(clip, 1), round(lr)
+        (31.6, 201)
+        >>> round(oso_signal_to_noise(551_322, 1.16, 8.26, 30)[0], 2)  # batch 30: coin flips
+        0.13
+    """
+    d, nu_g, nu_q, b = coordinates, gradient_noise_multiplier, direction_noise_multiplier, expected_batch_size
+    clip = 1.0 / math.sqrt(d * nu_g**2 * nu_q**2 / b**4 + (nu_q**2 + nu_g**2) / b**2)
+    lr = 1.0 / math.sqrt(d * nu_g**4 / b**4 + 2 * nu_g**2 / b**2)
+    return clip, lr
+
+
+def oso_learnability_warnings(
+    coordinates: int,
+    gradient_noise_multiplier: float,
+    direction_noise_multiplier: float,
+    expected_batch_size: float,
+    clip_lr: float,
+    lr_lr: float,
+    steps: int,
+) -> list[str]:
+    """What keeps OSO from learning ``C_t`` and ``rho_t`` in a planned run, known before training (settings only, so
+    a warning releases nothing about the data): sign tests whose noise dwarfs any signal they could carry
+    (:func:`oso_signal_to_noise` below :data:`OSO_MIN_SIGNAL_TO_NOISE`), and steps ``rho_c``, ``rho_r`` too small to
+    double or halve ``C_t``, ``rho_t`` over ``steps`` steps. Empty when neither applies."""
+    snr_clip, snr_lr = oso_signal_to_noise(
+        coordinates, gradient_noise_multiplier, direction_noise_multiplier, expected_batch_size
+    )
+    found = []
+    for name, snr in (("C_t", snr_clip), ("rho_t", snr_lr)):
+        if snr < OSO_MIN_SIGNAL_TO_NOISE:
+            right = 0.5 * (1 + math.erf(snr / 10 / math.sqrt(2)))
+            found.append(
+                f"the noise of the sign test that moves {name} is {1 / snr:.3g} times its largest possible signal "
+                f"(d={coordinates} parameters, expected batch {expected_batch_size:.4g}): a signal of a tenth of that "
+                f"gets the right sign {100 * right:.0f}% of the time, so {name} follows coin flips. Raise the expected "
+                "batch size (the noise falls as 1/B^2), train fewer parameters, or use a fixed value"
+                + (" (direction_noise_ratio=math.sqrt(2) minimises nu_g * nu_q)" if name == "C_t" else "")
+            )
+    for name, step in (("C_t", clip_lr), ("rho_t", lr_lr)):
+        if abs(step) * steps < OSO_MIN_LOG_TRAVEL:
+            arg, factor = ("clip_lr" if name == "C_t" else "lr_lr"), math.exp(abs(step) * steps)
+            found.append(
+                f"{arg}={step:.3g} over {steps} steps moves {name} by at most a factor {factor:.3g} "
+                f"even if every step agreed: its initial value decides. Raise {arg} to at least "
+                f"{OSO_MIN_LOG_TRAVEL / steps:.3g} or train longer"
+            )
+    return found

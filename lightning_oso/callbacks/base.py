@@ -126,6 +126,9 @@ class DPCallback(RunSession):
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer the method has no analysis for (default: any optimizer is fine)."""
 
+    def check_plan(self, rule: ClippingRule, coordinates: int, expected_batch_size: float, steps: int) -> None:
+        """Warn, from settings alone, about a plan in which the method cannot do what it is for (none here)."""
+
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
         """Give the optimizer what it needs to know of the noise (default: nothing)."""
 
@@ -312,6 +315,7 @@ class DPCallback(RunSession):
             self._restored = None
         self.rule = self._training.rule = rule
         self.configure_optimizer(trainer.optimizers[0], rule)
+        self.check_plan(rule, coordinates, expected_batch_size, min(int(remaining), allowed))
 
         summary = {f"dp/{name}": value for name, value in rule.noise_multipliers().items()}
         summary["dp/sample_rate"] = q

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from typing_extensions import Unpack
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import Unpack, override
 
 from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
@@ -14,9 +15,11 @@ from lightning_oso.clipping import (
     OSO_CLIP_LR,
     OSO_INITIAL_CLIP,
     OSO_LR_LR,
+    ClippingRule,
     OSOClipping,
 )
 from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.planning import oso_learnability_warnings
 from lightning_oso.validation import check_number, check_open_interval, check_positive
 
 
@@ -87,6 +90,22 @@ class OSODP(DPCallback):
 
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> OSOClipping:
         return OSOClipping(noise_multiplier, self._initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)
+
+    @override
+    def check_plan(self, rule: ClippingRule, coordinates: int, expected_batch_size: float, steps: int) -> None:
+        """Warn when OSO cannot learn ``C_t`` or ``rho_t`` in this run: sign tests drowned in noise, or steps too
+        small to move them (``planning.oso_learnability_warnings``; settings only, nothing about the data)."""
+        assert isinstance(rule, OSOClipping)
+        for problem in oso_learnability_warnings(
+            coordinates,
+            rule.gradient_noise_multiplier,
+            rule.direction_noise_multiplier,
+            expected_batch_size,
+            self.clip_lr,
+            self.lr_lr,
+            steps,
+        ):
+            rank_zero_warn(f'OSODP: {problem} (docs/algorithms.md, "When OSO cannot learn its hyperparameters").')
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.SGD):
