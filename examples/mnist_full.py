@@ -154,6 +154,20 @@ def grid_noise_multiplier(
     return calibrate_noise_multiplier(epsilon, DELTA, [rate] * runs, [steps] * runs, epsilon_per_step=per_step)
 
 
+def table11_cell(method: str, epsilon: float) -> dict[str, float]:
+    """Table 11's chosen cell for ``method`` at ``epsilon``, read as the point of the k = 5 grid it prints rounded
+    (``rho = 0.316`` is ``10^-0.5``), so that it is the same run as that cell of the method's grid."""
+    chosen = dict(PAPER[5][epsilon][method][2])
+    axes = {"lr": log_grid(*LR_RANGE, 5), "clip": log_grid(*CLIP_RANGE, 5)}
+    for name, value in chosen.items():
+        if name in axes:
+            point = min(axes[name], key=lambda p: abs(math.log(p / value)))
+            if abs(point / value - 1) > 1e-3:
+                raise ValueError(f"Table 11's {method} {name}={value} at epsilon {epsilon} is no k = 5 grid point")
+            chosen[name] = point
+    return {"lr": WOSM_ALPHA, **chosen} if method == "DPAdamWOSM" else chosen
+
+
 def plan_runs(plan: str, epsilons, seeds, final_relu=False, steps=STEPS, train_size=TRAIN_SIZE, runs_dir=None):
     """The runs a plan holds, in the order they are worth running (seed 0 of everything first)."""
     kw = {"final_relu": final_relu, "steps": steps, "train_size": train_size, "plan": plan}
@@ -162,9 +176,7 @@ def plan_runs(plan: str, epsilons, seeds, final_relu=False, steps=STEPS, train_s
         if plan == "table11":
             for eps in epsilons:
                 for method in METHODS:
-                    chosen = PAPER[5][float(eps)][method][2]
-                    hparams = {"clip": chosen["clip"], "lr": WOSM_ALPHA} if method == "DPAdamWOSM" else dict(chosen)
-                    out.append(spec(method, float(eps), seed, **kw, **hparams))
+                    out.append(spec(method, float(eps), seed, **kw, **table11_cell(method, float(eps))))
         elif plan in ("online-grid", "method-grids"):
             for eps in epsilons:
                 for method in ("Online",) if plan == "online-grid" else METHODS:

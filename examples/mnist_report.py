@@ -1,0 +1,293 @@
+"""Tables and figures from the finished runs of ``examples/mnist_full.py``, beside the OSO paper's Table 11.
+
+Reads ``docs/results/mnist-full-runs/*.json`` (one file per finished run) and writes
+
+- ``docs/results/mnist-full.{json,md,png}``: every method at Table 11's chosen hyperparameters per epsilon (mean and
+  standard deviation over seeds, the paper's cell beside each), Online's whole k = 5 grid at epsilon 3 and the cell
+  it selects, and the non-private learning-rate sweep;
+- ``docs/results/mnist-grid-eps3.{json,md,png}``: each method's whole k = 5 grid at epsilon 3 at its own grid's noise,
+  the cell the paper's rule selects (best test accuracy at seed 0), and that cell's accuracy per seed.
+
+A run not yet finished shows as "-"; the report says how many of each plan's runs it holds.
+
+    python examples/mnist_report.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from mnist_full import (
+    DELTA,
+    METHODS,
+    NONPRIVATE_LRS,
+    ROOT,
+    STEPS,
+    WOSM_ALPHA,
+    candidates_for,
+    read_run,
+    spec,
+    table11_cell,
+)
+from mnist_vs_paper import PAPER
+
+EPSILONS = (3.0, 5.0, 7.0, 9.0)
+KEYS = {
+    "Online": "online",
+    "FixedThreshold": "fixedthreshold",
+    "FixedQuantile": "fixedquantile",
+    "DPAdamWOSM": "dpadamwosm",
+}
+
+
+def _pct(values) -> str:
+    values = [100 * v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.1f} (1 seed)"
+    return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f} ({len(values)} seeds)"
+
+
+def _hp(hparams: dict) -> str:
+    return ", ".join(f"{key} = {value:.4g}" for key, value in sorted(hparams.items()))
+
+
+def grid_cells(method: str) -> list[dict]:
+    return [{"lr": WOSM_ALPHA, **c} if method == "DPAdamWOSM" else c for c in candidates_for(method, 5)]
+
+
+def collect(method, epsilon, hparams, seeds, runs_dir) -> dict:
+    """The finished runs of one cell: {seed: record}."""
+    out = {}
+    for seed in seeds:
+        record = read_run(spec(method, epsilon, seed, **hparams), runs_dir)
+        if record is not None:
+            out[seed] = record
+    return out
+
+
+def cell_summary(method, epsilon, hparams, seeds, runs_dir) -> dict:
+    records = collect(method, epsilon, hparams, seeds, runs_dir)
+    accs = {seed: r["best_test_acc"] for seed, r in records.items()}
+    noise = next((r["noise_multiplier"] for r in records.values()), None)
+    return {
+        "hparams": hparams,
+        "noise_multiplier": noise,
+        "test_acc_per_seed": accs,
+        "best_step_per_seed": {seed: r["best_step"] for seed, r in records.items()},
+        "final_test_acc_per_seed": {seed: r["final_test_acc"] for seed, r in records.items()},
+        "mean": statistics.fmean(accs.values()) if accs else None,
+        "std": statistics.stdev(accs.values()) if len(accs) > 1 else None,
+    }
+
+
+def select(method, epsilon, runs_dir, seeds) -> tuple[list[dict], dict | None]:
+    """Every cell of the method's k = 5 grid at seed 0, and the paper's selection: the best test accuracy (None until
+    every cell has run)."""
+    grid = []
+    for cell in grid_cells(method):
+        record = read_run(spec(method, epsilon, 0, **cell), runs_dir)
+        grid.append({"hparams": cell, "seed": 0, "test_acc": None if record is None else record["best_test_acc"]})
+    if any(entry["test_acc"] is None for entry in grid):
+        return grid, None
+    best = max(grid, key=lambda entry: entry["test_acc"])
+    summary = cell_summary(method, epsilon, best["hparams"], seeds, runs_dir)
+    return grid, {"hparams": best["hparams"], "test_acc_per_seed": list(summary["test_acc_per_seed"].values())}
+
+
+def report_full(runs_dir: Path, seeds) -> dict:
+    cells = []
+    for eps in EPSILONS:
+        for method in METHODS:
+            paper = PAPER[5][eps][method]
+            summary = cell_summary(method, eps, table11_cell(method, eps), seeds, runs_dir)
+            cells.append(
+                {
+                    "method": method,
+                    "epsilon": eps,
+                    **summary,
+                    "paper": {"mean": paper[0] / 100, "std": paper[1] / 100, "hparams": paper[2]},
+                }
+            )
+    online_grid = [cell_summary("Online", 3.0, cell, seeds, runs_dir) for cell in grid_cells("Online")]
+    complete = [c for c in online_grid if len(c["test_acc_per_seed"]) == len(seeds)]
+    online_selected = max(complete, key=lambda c: c["mean"]) if len(complete) == len(online_grid) else None
+    sweep = []
+    for lr in NONPRIVATE_LRS:
+        record = read_run(spec("NoDP", None, 0, lr=lr), runs_dir)
+        sweep.append({"lr": lr, "test_acc": None if record is None else record["best_test_acc"]})
+    return {
+        "command": [
+            "python examples/mnist_full.py --plan table11 --epsilons 3 5 7 9 --seeds 0 1 2 --jobs 2",
+            "python examples/mnist_full.py --plan online-grid --epsilons 3 --seeds 0 1 2 --jobs 2",
+            "python examples/mnist_full.py --plan nonprivate-sweep --seeds 0 --jobs 2",
+            "python examples/mnist_report.py",
+        ],
+        "settings": {
+            "train": 60000,
+            "test": 10000,
+            "expected_batch": 512,
+            "steps": STEPS,
+            "delta": DELTA,
+            "test_every": 50,
+            "model": "Table 5 CNN without the final ReLU (551,322 parameters)",
+            "selection": "best test accuracy over the checks (the paper's rule)",
+        },
+        "table11": cells,
+        "online_grid_eps3": {"cells": online_grid, "selected": online_selected},
+        "nonprivate_sweep": sweep,
+    }
+
+
+def report_grid(runs_dir: Path, seeds) -> dict:
+    methods = {}
+    for method in METHODS:
+        grid, selected = select(method, 3.0, runs_dir, seeds)
+        noise = None
+        for entry in grid:
+            record = read_run(spec(method, 3.0, 0, **entry["hparams"]), runs_dir)
+            noise = noise or (record and record["noise_multiplier"])
+        methods[KEYS[method]] = {"noise_multiplier": noise, "grid": grid, "selected": selected}
+    paper = {KEYS[m]: {"test_acc": v[0] / 100, "std": v[1] / 100, "hparams": v[2]} for m, v in PAPER[5][3.0].items()}
+    return {
+        "command": [
+            "python examples/mnist_full.py --plan method-grids --epsilons 3 --seeds 0 --jobs 2",
+            "python examples/mnist_full.py --plan selected --epsilons 3 --seeds 0 1 2 --jobs 2",
+            "python examples/mnist_report.py",
+        ],
+        "epsilon": 3,
+        "delta": DELTA,
+        "k": 5,
+        "selection": "best test accuracy at seed 0 (the paper's rule: selected on the test set); seeds not charged",
+        "methods": methods,
+        "paper": paper,
+    }
+
+
+def markdown_full(data: dict) -> str:
+    lines = [
+        "### Table 11's cells at the paper's scale: best test accuracy (%)",
+        "",
+        "| ε | method | hyperparameters | ν | ours | paper (Table 11) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell in data["table11"]:
+        accs = list(cell["test_acc_per_seed"].values())
+        nu = "-" if cell["noise_multiplier"] is None else f"{cell['noise_multiplier']:.4f}"
+        paper = f"{100 * cell['paper']['mean']:.2f} ± {100 * cell['paper']['std']:.2f}"
+        lines.append(
+            f"| {cell['epsilon']:g} | {cell['method']} | {_hp(cell['hparams'])} | {nu} | {_pct(accs)} | {paper} |"
+        )
+    lines += ["", "### Online's k = 5 grid at ε = 3", "", "| ρ₀ | ours |", "|---|---|"]
+    for cell in data["online_grid_eps3"]["cells"]:
+        lines.append(f"| {cell['hparams']['lr']:.4g} | {_pct(cell['test_acc_per_seed'].values())} |")
+    lines += ["", "### Non-private SGD, learning-rate sweep (seed 0)", "", "| ρ | test accuracy |", "|---|---|"]
+    for row in data["nonprivate_sweep"]:
+        lines.append(f"| {row['lr']:.4g} | {_pct([row['test_acc']])} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_grid(data: dict) -> str:
+    lines = ["### Each method's own k = 5 grid at ε = 3: best test accuracy (%), seed 0", ""]
+    for method in METHODS:
+        entry = data["methods"][KEYS[method]]
+        nu = "-" if entry["noise_multiplier"] is None else f"{entry['noise_multiplier']:.4f}"
+        lines += [f"**{method}** (ν = {nu}, {len(entry['grid'])} cells)", "", "| cell | test |", "|---|---|"]
+        for cell in entry["grid"]:
+            lines.append(f"| {_hp(cell['hparams'])} | {_pct([cell['test_acc']])} |")
+        selected = entry["selected"]
+        paper = data["paper"][KEYS[method]]
+        chosen = "-" if selected is None else f"{_hp(selected['hparams'])}: {_pct(selected['test_acc_per_seed'])}"
+        lines += ["", f"Selected: {chosen}. Table 11: {100 * paper['test_acc']:.2f} ({_hp(paper['hparams'])}).", ""]
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, method in enumerate(METHODS):
+        color = f"C{i}"
+        cells = [c for c in data["table11"] if c["method"] == method]
+        ax.plot([c["epsilon"] for c in cells], [100 * c["paper"]["mean"] for c in cells], "--", color=color, alpha=0.6)
+        ours = [(c["epsilon"], 100 * c["mean"], 100 * (c["std"] or 0)) for c in cells if c["mean"] is not None]
+        if ours:
+            x, y, e = zip(*ours)
+            ax.errorbar(x, y, yerr=e, fmt="o-", color=color, label=f"{method} (ours)", capsize=3)
+    ax.plot([], [], "k--", alpha=0.6, label="Table 11 (dashed)")
+    ax.set_xlabel("ε (δ = 1e-5)")
+    ax.set_ylabel("best test accuracy (%)")
+    ax.set_title("MNIST, 60,000 images, B = 512, 10 epochs: Table 11's cells")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_grid(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, method in enumerate(METHODS):
+        entry = data["methods"][KEYS[method]]
+        accs = sorted((100 * c["test_acc"] for c in entry["grid"] if c["test_acc"] is not None), reverse=True)
+        if accs:
+            ax.plot(range(1, len(accs) + 1), accs, "o-", color=f"C{i}", label=method, markersize=3)
+        ax.axhline(100 * data["paper"][KEYS[method]]["test_acc"], color=f"C{i}", ls="--", alpha=0.5)
+    ax.set_xlabel("cell, by rank")
+    ax.set_ylabel("best test accuracy (%), seed 0")
+    ax.set_title("Each method's own k = 5 grid at ε = 3 (dashed: Table 11)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+BEGIN, END = "<!-- tables: written by examples/mnist_report.py -->", "<!-- end of tables -->"
+
+
+def write_tables(path: Path, tables: str) -> None:
+    """Put ``tables`` between the page's table markers (the prose around them is the page's own), or start the page."""
+    block = f"{BEGIN}\n{tables}{END}"
+    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no table markers ({BEGIN} ... {END}); add them where the tables go")
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(head + block + rest.split(END, 1)[1])
+
+
+def main(argv: list[str] | None = None) -> tuple[dict, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "docs/results/mnist-full-runs")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs/results")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    full, grid = report_full(args.runs_dir, args.seeds), report_grid(args.runs_dir, args.seeds)
+    for name, data, markdown, draw in (
+        ("mnist-full", full, markdown_full, plot),
+        ("mnist-grid-eps3", grid, markdown_grid, plot_grid),
+    ):
+        (args.out_dir / f"{name}.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
+        write_tables(args.out_dir / f"{name}.md", markdown(data))
+        if not args.no_plot:
+            draw(data, args.out_dir / f"{name}.png")
+        print(markdown(data))
+    return full, grid
+
+
+if __name__ == "__main__":
+    main()
