@@ -26,8 +26,9 @@ Plans:
   FixedQuantile 25 (lr x gamma)).
 - ``selected``: ``--seeds`` seeds of the cell each method's grid selected (its best test accuracy at seed 0, the
   paper's selection), once ``method-grids`` has run.
-- ``nonprivate-sweep``: plain SGD (no clipping, no noise) over the paper's k = 5 learning rates and one decade beyond
-  each end of its range (10^-3.5 .. 10^2.5): where the library's learning-rate convention puts the best ``rho``.
+- ``nonprivate-sweep``: plain SGD (no clipping, no noise) over the paper's k = 5 learning rates, one decade beyond
+  each end of its range (10^-3.5 .. 10^2.5), and 512 x 10^-2.5 (the paper's best non-private rate, 10^-2.5, if it
+  multiplies a summed gradient): where the library's learning-rate convention puts the best ``rho``.
 
 Settings (the paper's, Appendix B): ``q = 512 / 60,000``; 1,172 steps (10 epochs at that rate); ``delta = 1e-5``;
 Online's ``C_0 = 0.1``, ``rho_c = rho_r = 2.5e-3``; FixedQuantile's ``C_0 = 0.1``, ``C`` learning rate 0.2;
@@ -76,8 +77,10 @@ CLIP_RANGE = (1e-2, 1e2)
 WOSM_ALPHA = 1e-3
 INITIAL_CLIP = 0.1
 QUANTILE_CLIP_LR = 0.2
-#: The non-private sweep: the paper's k = 5 learning rates and one decade beyond each end of its range.
-NONPRIVATE_LRS = tuple(10 ** (e + 0.5) for e in range(-4, 3))
+#: The non-private sweep: the paper's k = 5 learning rates, one decade beyond each end of its range, and the paper's
+#: best non-private rate (10^-2.5) times the batch size, its value if the paper's rate multiplies a summed gradient.
+#: Ordered by what they tell: the middle of the range first.
+NONPRIVATE_LRS = (10**-0.5, 512 * 10**-2.5, 10**0.5, 10**-1.5, 10**-2.5, 10**1.5, 10**-3.5, 10**2.5)
 PLANS = ("table11", "online-grid", "method-grids", "selected", "nonprivate-sweep")
 ROOT = Path(__file__).resolve().parent.parent
 
