@@ -50,10 +50,11 @@ def validate_model(module: nn.Module) -> None:
                 f"{label}: Opacus computes no per-sample gradient for torch's fused recurrent layers; "
                 "use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in replacements)"
             )
-        elif isinstance(layer, nn.MultiheadAttention):
+        elif isinstance(layer, nn.MultiheadAttention) and type(layer) is not nn.MultiheadAttention:
             problems.append(
-                f"{label}: Opacus computes no per-sample gradient for nn.MultiheadAttention; use "
-                "opacus.layers.DPMultiheadAttention (a drop-in replacement)"
+                f"{label}: a subclass of nn.MultiheadAttention may compute its own forward, which the per-sample "
+                "path (that of torch's nn.MultiheadAttention) would not see; use nn.MultiheadAttention itself, or "
+                "build the subclass from nn.Linear layers (each with its own per-sample gradients)"
             )
         elif (
             isinstance(layer, (nn.Embedding, nn.EmbeddingBag))

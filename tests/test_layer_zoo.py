@@ -159,6 +159,173 @@ ZOO = {
 }
 
 
+# ----------------------------------------------------------------------------------------------------- sequence layers
+E, HEADS = 8, 2
+
+
+def _seq_first(*xs):
+    """``[n, L, E] -> [L, n, E]``, keeping which of the tensors are the same one (torch picks its packed projections
+    by ``query is key``)."""
+    out, seen = [], {}
+    for x in xs:
+        if id(x) not in seen:
+            seen[id(x)] = x.transpose(0, 1)
+        out.append(seen[id(x)])
+    return out
+
+
+def _record_mask(x, length, heads=1):
+    """A boolean mask per record and head, ``[n * heads, length, S]``, drawn from the record's own values (so that
+    one record alone gets the rows it has in the batch), position 0 never masked (a fully masked row is NaN)."""
+    n, s = x.shape[0], x.shape[1]
+    signs = x[:, :, :heads].permute(0, 2, 1)  # [n, heads, S]
+    mask = (signs > 0.5)[:, :, None, :].expand(n, heads, length, s).clone()
+    mask[..., 0] = False
+    return mask.reshape(n * heads, length, s)
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` (8 features, 2 heads) on a record's positions ``x`` (``[n, 6, 8]``): the layer's
+    options, the call's (``masks``: ``"causal"`` 2-D bool, ``"float"`` 2-D additive, ``"per-record"`` 3-D,
+    ``"padding"`` a key padding mask, each drawn from the record's own values) and the attention kind (``"self"``:
+    query, key and value one tensor; ``"kv"``: key is value; ``"qkv"``: three tensors). The output, records first,
+    carries the attention weights too where they are asked for."""
+
+    def __init__(
+        self, kind="self", masks=(), is_causal=False, need_weights=False, average=True, batch_first=True, **options
+    ):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, **options)
+        self.kind, self.masks, self.is_causal = kind, masks, is_causal
+        self.need_weights, self.average, self.batch_first = need_weights, average, batch_first
+
+    def forward(self, x):
+        kdim, vdim = self.attn.kdim, self.attn.vdim
+        if self.kind == "self":
+            q = k = v = x
+        elif self.kind == "kv":
+            q, k = x[:, :4], torch.tanh(x[:, 1:])
+            v = k
+        else:
+            q, k, v = x, torch.tanh(x[..., :kdim]) * 2, torch.sin(x[..., :vdim])
+        length, s = q.shape[1], k.shape[1]
+        options = {}
+        if "causal" in self.masks:
+            options["attn_mask"] = torch.ones(length, s, dtype=torch.bool).triu(1)
+        if "float" in self.masks:
+            options["attn_mask"] = torch.linspace(-1, 1, length * s).reshape(length, s)
+        if "per-record" in self.masks:
+            options["attn_mask"] = _record_mask(k, length, HEADS)
+        if "padding" in self.masks:
+            options["key_padding_mask"] = _record_mask(k, 1)[:, 0]
+        if not self.batch_first:
+            q, k, v = _seq_first(q, k, v)
+        out, weights = self.attn(
+            q,
+            k,
+            v,
+            need_weights=self.need_weights,
+            average_attn_weights=self.average,
+            is_causal=self.is_causal,
+            **options,
+        )
+        out = out if self.batch_first else out.transpose(0, 1)
+        return torch.cat([out.flatten(1), weights.flatten(1)], 1) if weights is not None else out
+
+
+class Encoder(nn.Module):
+    """torch's transformer modules on token ids (``[n, 6]``, embedded): ``which`` is ``"layer"``
+    (``nn.TransformerEncoderLayer``), ``"encoder"`` (two layers and a final norm), ``"decoder-layer"``, ``"decoder"``
+    or ``"transformer"`` (target: the tokens, memory / source: the tokens reversed), with a causal mask and a padding
+    mask of the record's own tokens (id 0)."""
+
+    def __init__(self, which="layer", batch_first=True, norm_first=False, dropout=0.0, nested=False):
+        super().__init__()
+        self.which, self.batch_first = which, batch_first
+        self.embed = nn.Embedding(12, E)
+        sizes = dict(d_model=E, nhead=HEADS, dim_feedforward=16, dropout=dropout, batch_first=batch_first)
+        if which == "transformer":
+            self.net = nn.Transformer(num_encoder_layers=1, num_decoder_layers=2, norm_first=norm_first, **sizes)
+        elif which.startswith("decoder"):
+            layer = nn.TransformerDecoderLayer(norm_first=norm_first, **sizes)
+            self.net = layer if which == "decoder-layer" else nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(E))
+        else:
+            layer = nn.TransformerEncoderLayer(norm_first=norm_first, **sizes)
+            if which != "layer":
+                layer = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E), enable_nested_tensor=nested)
+            self.net = layer
+
+    def forward(self, idx):
+        h, memory = self.embed(idx), self.embed(idx.flip(1))
+        padding = idx == 0
+        padding[:, 0] = False  # a fully masked row is NaN
+        causal = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).triu(1)
+        if not self.batch_first:
+            h, memory = h.transpose(0, 1), memory.transpose(0, 1)
+        if self.which in ("layer", "encoder"):
+            out = self.net(h, causal, src_key_padding_mask=padding, is_causal=True)
+        elif self.which == "transformer":
+            out = self.net(
+                memory,
+                h,
+                tgt_mask=causal,
+                src_key_padding_mask=padding,
+                memory_key_padding_mask=padding,
+                tgt_is_causal=True,
+            )
+        else:
+            out = self.net(h, memory, tgt_mask=causal, memory_key_padding_mask=padding, tgt_is_causal=True)
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+SEQUENCE_ZOO = {
+    "attention-self": (lambda: Attention(), floats(6, E)),
+    "attention-self-seq-first-weights": (
+        lambda: Attention(batch_first=False, need_weights=True, average=False),
+        floats(6, E),
+    ),
+    "attention-kv-causal-padding": (
+        lambda: Attention("kv", masks=("causal", "padding"), is_causal=True),
+        floats(6, E),
+    ),
+    "attention-kv-causal-sdpa": (lambda: Attention("kv", masks=("causal",), is_causal=True), floats(6, E)),
+    "attention-qkv-float-mask-averaged-weights": (
+        lambda: Attention("qkv", masks=("float",), need_weights=True),
+        floats(6, E),
+    ),
+    "attention-qkv-per-record-mask-seq-first": (
+        lambda: Attention("qkv", masks=("per-record",), batch_first=False),
+        floats(6, E),
+    ),
+    "attention-kdim-vdim-bias-kv-zero-attn": (
+        lambda: Attention("qkv", masks=("padding",), kdim=5, vdim=3, add_bias_kv=True, add_zero_attn=True),
+        floats(6, E),
+    ),
+    "attention-bias-kv-seq-first-weights": (
+        lambda: Attention(
+            "self", masks=("per-record", "padding"), batch_first=False, add_bias_kv=True, need_weights=True
+        ),
+        floats(6, E),
+    ),
+    "attention-no-bias-zero-attn": (lambda: Attention("kv", bias=False, add_zero_attn=True), floats(6, E)),
+    "encoder-layer": (lambda: Encoder("layer"), tokens((6,), high=12)),
+    "encoder-layer-seq-first-norm-first": (
+        lambda: Encoder("layer", batch_first=False, norm_first=True),
+        tokens((6,), high=12),
+    ),
+    "encoder-nested-tensor": (lambda: Encoder("encoder", nested=True), tokens((6,), high=12)),
+    "encoder-seq-first": (lambda: Encoder("encoder", batch_first=False, norm_first=True), tokens((6,), high=12)),
+    "decoder-layer": (lambda: Encoder("decoder-layer", norm_first=True), tokens((6,), high=12)),
+    "decoder-seq-first": (lambda: Encoder("decoder", batch_first=False), tokens((6,), high=12)),
+    "transformer": (lambda: Encoder("transformer"), tokens((6,), high=12)),
+    "transformer-seq-first-norm-first": (
+        lambda: Encoder("transformer", batch_first=False, norm_first=True),
+        tokens((6,), high=12),
+    ),
+}
+ZOO.update(SEQUENCE_ZOO)
+
+
 class Pair(nn.Module):
     """A layer with two inputs."""
 
