@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_oso import OSODP
+from lightning_oso import OSODP, per_sample
 from lightning_oso.per_sample import BookKeeping, fast_path, per_sample_norms, weighted_sums
 
 N = 5
@@ -192,10 +192,18 @@ class Attention(nn.Module):
     carries the attention weights too where they are asked for."""
 
     def __init__(
-        self, kind="self", masks=(), is_causal=False, need_weights=False, average=True, batch_first=True, **options
+        self,
+        kind="self",
+        masks=(),
+        is_causal=False,
+        need_weights=False,
+        average=True,
+        batch_first=True,
+        width=E,
+        **options,
     ):
         super().__init__()
-        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, **options)
+        self.attn = nn.MultiheadAttention(width, HEADS, batch_first=batch_first, **options)
         self.kind, self.masks, self.is_causal = kind, masks, is_causal
         self.need_weights, self.average, self.batch_first = need_weights, average, batch_first
 
@@ -256,7 +264,9 @@ class Encoder(nn.Module):
             self.net = layer
 
     def forward(self, idx):
-        h, memory = self.embed(idx), self.embed(idx.flip(1))
+        # the memory only where it is used: an output no loss reaches never gets Opacus' backward hook
+        h = self.embed(idx)
+        memory = self.embed(idx.flip(1)) if self.which not in ("layer", "encoder") else h
         padding = idx == 0
         padding[:, 0] = False  # a fully masked row is NaN
         causal = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).triu(1)
@@ -570,3 +580,248 @@ def test_cancelling_uses_of_a_tied_weight_cannot_hide_a_records_norm(scale, d):
     exact = (v.double().norm(dim=1).square() * (xs.norm(dim=1).square() + 1)).sqrt()  # weight and bias
     assert bool(torch.isfinite(norms).all())
     assert bool((norms >= exact).all()), (norms, exact)
+
+
+# ----------------------------------------------------------------------------------------------------- sequence layers
+def _per_sample_source(model, x, loss, mode, weigh):
+    """One backward pass of ``loss(model(x))`` through the per-sample path of ``mode`` (hooks attached for it and
+    detached after): its norms, the weights ``weigh(norms)`` and the weighted sums."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    hooks = per_sample.attach(model, mode, "sum")
+    try:
+        loss(model(x)).backward()
+        source = per_sample.source(hooks, params)
+        norms = source.norms()
+        weights = weigh(norms)
+        sums = source.weighted_sums(weights)
+        source.release()
+        return params, norms, weights, sums
+    finally:
+        per_sample.detach(hooks)
+
+
+@pytest.mark.parametrize("name", list(SEQUENCE_ZOO))
+def test_sequence_layers_on_opacus_path_equal_one_record_at_a_time(name):
+    """``grad_sample_mode="hooks"``: the attention's per-sample gradients (its projections', ``out_proj``'s and
+    ``bias_k`` / ``bias_v``'s) written where Opacus' are, and Opacus' own for the linear and normalisation layers of
+    the transformer layers, records along dim 1 where ``batch_first=False``."""
+    make, data = SEQUENCE_ZOO[name]
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = make()
+    x = data(g)
+    y = torch.randn(N, 1000, generator=g)
+    _, reference = _reference(model, x, y)
+    weights = torch.rand(N, 2, generator=g)
+    params, norms, _, sums = _per_sample_source(model, x, lambda out: _loss(out, y), "hooks", lambda _: weights)
+    torch.testing.assert_close(norms, per_sample_norms(reference), rtol=1e-4, atol=1e-6)
+    for s, r in zip(sums, weighted_sums(reference, weights)):
+        torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
+    assert all(getattr(p, "grad_sample", None) is None for p in params)  # let go when the source was read
+
+
+DROPOUT_LAYERS = {
+    "attention-weights-dropout": lambda: Attention("qkv", masks=("padding",), need_weights=True, dropout=0.5),
+    "attention-sdpa-dropout-bias-kv": lambda: Attention("self", dropout=0.5, add_bias_kv=True, batch_first=False),
+    "encoder-dropout": lambda: Encoder("encoder", dropout=0.3, norm_first=True),
+    "transformer-seq-first-dropout": lambda: Encoder("transformer", batch_first=False, dropout=0.3),
+}
+DROPOUT_DATA = {"attention": floats(6, E), "encoder": tokens((6,), high=12), "transformer": tokens((6,), high=12)}
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
+@pytest.mark.parametrize("name", list(DROPOUT_LAYERS))
+def test_dropout_inside_attention_is_the_one_the_forward_drew(name, mode):
+    """Dropout inside the attention (on its weights, also inside ``scaled_dot_product_attention``) and around it:
+    the per-sample gradients are those of the masks the batch's forward drew, never drawn again. The oracle: each
+    record's loss differentiated alone through the graph of the batch's forward (records do not interact there), with
+    torch's own forward under the same seed; the hooked forward must draw the same masks (the same values)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = DROPOUT_LAYERS[name]()
+    x = DROPOUT_DATA[name.split("-")[0]](g)
+    y = torch.randn(N, 1000, generator=g)
+    params = list(model.parameters())
+    torch.manual_seed(7)
+    out = model(x)
+    with torch.no_grad():
+        torch.manual_seed(8)
+        assert not torch.equal(out, model(x)), "dropout must be active"
+    flat = out.reshape(N, -1)
+    reference = [torch.zeros(N, *p.shape) for p in params]
+    for i in range(N):
+        grads = torch.autograd.grad(_loss(flat[i : i + 1], y[i : i + 1]), params, retain_graph=True, allow_unused=True)
+        for j, grad in enumerate(grads):
+            if grad is not None:
+                reference[j][i] = grad
+    torch.manual_seed(7)
+    hooked = []
+    weights = torch.rand(N, 2, generator=g)
+    loss = lambda o: (hooked.append(o.detach()), _loss(o, y))[1]  # noqa: E731
+    _, norms, _, sums = _per_sample_source(model, x, loss, mode, lambda _: weights)
+    assert torch.equal(hooked[0], out.detach()), "the observed forward must draw torch's dropout masks"
+    torch.testing.assert_close(norms, per_sample_norms(reference), rtol=1e-4, atol=1e-6)
+    for s, r in zip(sums, weighted_sums(reference, weights)):
+        torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [*SEQUENCE_ZOO, *DROPOUT_LAYERS])
+def test_observed_forward_is_torchs_to_the_bit(name):
+    """With the hooks attached the layers compute torch's values, dropout draws and parameter gradients bit for bit
+    (same seed), keep torch's state dict keys, and get their class's forward back when the hooks are removed."""
+    make = DROPOUT_LAYERS.get(name) or SEQUENCE_ZOO[name][0]
+    data = SEQUENCE_ZOO[name][1] if name in SEQUENCE_ZOO else DROPOUT_DATA[name.split("-")[0]]
+    torch.manual_seed(0)
+    model = make()
+    x = data(torch.Generator().manual_seed(0))
+    keys = list(model.state_dict())
+
+    def run():
+        model.zero_grad()
+        torch.manual_seed(3)
+        out = model(x)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain = run()
+    hooks = per_sample.attach(model, "book_keeping", "sum")
+    observed = run()
+    assert any("forward" in m.__dict__ for m in model.modules())  # the attention's forward is observed
+    per_sample.detach(hooks)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(plain[0], observed[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], observed[1]))
+    assert list(model.state_dict()) == keys
+    assert torch.equal(run()[0], plain[0])
+
+
+def test_observed_attention_without_autograd_is_torchs_fast_path():
+    """Evaluation (no autograd) runs the class's own forward, torch's inference fast path included."""
+    torch.manual_seed(0)
+    layer = nn.MultiheadAttention(E, HEADS, batch_first=True).eval()
+    x = torch.randn(N, 6, E)
+    with torch.no_grad():
+        before = layer(x, x, x)[0]
+    bk = BookKeeping(layer)
+    with torch.no_grad():
+        assert torch.equal(layer(x, x, x)[0], before)
+    assert bk._inputs == {} and all(not c._calls for c in bk.composites.values())
+    bk.remove()
+
+
+def test_unbatched_attention_is_refused_with_the_fix():
+    layer = nn.MultiheadAttention(E, HEADS)
+    bk = BookKeeping(layer)
+    x = torch.randn(6, E)
+    with pytest.raises(ValueError, match=r"unbatched query .* \[n, L, E\] with batch_first=True"):
+        layer(x, x, x)
+    bk.remove()
+
+
+def test_a_subclass_of_attention_is_refused_with_the_fix():
+    from lightning_oso.validation import PrivacyConfigurationError, validate_model
+
+    class Custom(nn.MultiheadAttention):
+        pass
+
+    validate_model(seq(nn.MultiheadAttention(E, HEADS)))
+    with pytest.raises(PrivacyConfigurationError, match=r"subclass of nn.MultiheadAttention .* nn.Linear layers"):
+        validate_model(seq(Custom(E, HEADS)))
+
+
+# the attacker's record against the sequence layers: each takes a record's positions x [6, width] (floats) and its
+# output gradient v [6, width] (the loss is sum(layer(x) * v)); the projections of width 8 form each record's gradient
+# (6 positions, 8 x 8 weights), those of width 32 take the ghost norm (the Gram identity, which can cancel)
+ATTACKED = {
+    "attention-self": (lambda: Attention(), E),
+    "attention-self-ghost": (lambda: Attention(width=32, masks=("causal",)), 32),
+    "attention-kdim-vdim-bias-kv": (
+        lambda: Attention("qkv", kdim=5, vdim=3, add_bias_kv=True, batch_first=False),
+        E,
+    ),
+    "encoder-layer-seq-first": (lambda: SeqFirstEncoderLayer(), E),
+}
+
+
+class SeqFirstEncoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(E, HEADS, 16, dropout=0.0, batch_first=False)
+
+    def forward(self, x):
+        return self.layer(x.transpose(0, 1)).transpose(0, 1)
+
+
+ATTACK_CLIP = 0.5
+
+
+def _attack_release(model, x, v, mode):
+    """Norms, each record's weights in OSO's clipped and direction sums, and the released (noiseless) sums."""
+    from helpers import effective_weights
+
+    from lightning_oso.clipping import OSOClipping
+
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=ATTACK_CLIP)
+    _, norms, split, sums = _per_sample_source(model, x, lambda out: (out * v).sum(), mode, rule.weights)
+    released = rule.queries(sums)
+    return norms, effective_weights(rule, split), torch.cat([s.reshape(2, -1) for s in released], dim=1)
+
+
+def _adversary(kind, scale_a, scale_b, d, g, width):
+    """Positions 0 and 1 the same query, key and value with output gradients that cancel (``v_1 = -(1 - d) v_0``:
+    ``out_proj``'s gradient ``a_0 (v_0 + v_1)^T`` nearly cancels), or positions that cancel (``x_1 = -(1 - d) x_0``,
+    equal output gradients: the projections' gradients), the other positions small."""
+    x = torch.randn(6, width, generator=g) * 1e-3 * scale_a
+    v = torch.randn(6, width, generator=g) * 1e-3 * scale_b
+    direction_x, direction_v = torch.randn(width, generator=g) * scale_a, torch.randn(width, generator=g) * scale_b
+    if kind == "identical-positions":
+        x[0], x[1], v[0], v[1] = direction_x, direction_x, direction_v, -(1 - d) * direction_v
+    else:
+        x[0], x[1], v[0], v[1] = direction_x, -(1 - d) * direction_x, direction_v, direction_v
+    return x, v
+
+
+@pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
+@pytest.mark.parametrize(
+    "kind, scale_a, scale_b, d",
+    [
+        ("identical-positions", 1.0, 1e4, 1e-4),
+        ("identical-positions", 1e3, 1e3, 2.0**-20),
+        ("identical-positions", 1e-20, 1e-10, 1e-4),
+        ("cancelling-positions", 1e4, 1.0, 1e-4),
+        ("cancelling-positions", 1e8, 1e8, 2.0**-22),
+    ],
+)
+@pytest.mark.parametrize("name", list(ATTACKED))
+def test_one_crafted_record_moves_the_sequence_layers_release_by_at_most_the_bound(
+    name, kind, scale_a, scale_b, d, mode
+):
+    """Neighbouring batches, with and without an attacker's record whose per-sample gradient nearly cancels inside the
+    attention (or its norm would underflow): its norm is finite and, on the fast path, at least its true norm (float64,
+    one record at a time); the released clipped sum moves by at most ``C`` and the direction sum by at most 1."""
+    import copy
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    make, width = ATTACKED[name]
+    model = make()
+    benign_x, benign_v = torch.randn(5, 6, width, generator=g), torch.randn(5, 6, width, generator=g)
+    x, v = _adversary(kind, scale_a, scale_b, d, g, width)
+    full_x, full_v = torch.cat([benign_x, x[None]]), torch.cat([benign_v, v[None]])
+    exact_model = copy.deepcopy(model).double()
+    true = []
+    for i in range(6):
+        exact_model.zero_grad()
+        (exact_model(full_x[i : i + 1].double()) * full_v[i : i + 1].double()).sum().backward()
+        true.append(torch.cat([p.grad.flatten() for p in exact_model.parameters()]))
+    true = torch.stack(true)
+    assert torch.isfinite(true).all()
+    norms, weights, released = _attack_release(model, full_x, full_v, mode)
+    _, weights_without, released_without = _attack_release(model, benign_x, benign_v, mode)
+    assert torch.isfinite(norms[-1]), f"a finite record got the norm {norms[-1]}"
+    moved = (released.double() - released_without.double()).norm(dim=1)
+    assert moved[0] <= ATTACK_CLIP * (1 + 1e-3) and moved[1] <= 1 + 1e-3, moved.tolist()
+    if mode == "book_keeping":
+        assert norms[-1].double() >= true[-1].norm(), (norms[-1].item(), true[-1].norm().item())
+        moves = weights.double().t() @ true - weights_without.double().t() @ true[:-1]
+        assert moves[0].norm() <= ATTACK_CLIP * (1 + 1e-6) and moves[1].norm() <= 1 + 1e-6
