@@ -1,5 +1,6 @@
 """torch's sequence layers through the public API, as a user brings them: every DP callback on both gradient paths
-trains a model of ``nn.MultiheadAttention`` (its options) and transformer layers, consistency checks included, and
+trains a model of ``nn.MultiheadAttention`` (its options) and transformer layers, and one of recurrent layers (packed
+sequences, bidirectional, projections, dropout, an initial state), consistency checks included, and
 Lightning's own demo transformer trains under the default ``OSODP`` as it is. The per-layer exactness and the
 attacker's record are in test_layer_zoo."""
 
@@ -11,6 +12,7 @@ import torch
 from helpers import make_trainer
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_oso import OSODP, FixedQuantileDP, FixedThresholdDP
@@ -49,6 +51,36 @@ class SequenceModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class RecurrentModel(L.LightningModule):
+    """Tokens through a two-layer bidirectional LSTM with projections and dropout between its layers, on a packed
+    sequence of the records' own lengths (tokens after the first 0 are padding), then a sequence-first GRU from an
+    initial state, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.lstm = nn.LSTM(8, 6, num_layers=2, bidirectional=True, proj_size=4, dropout=0.3, batch_first=True)
+        self.start = nn.Linear(8, 5)
+        self.gru = nn.GRU(8, 5)
+        self.head = nn.Linear(5, VOCAB)
+
+    def forward(self, idx):
+        lengths = torch.where(idx == 0, torch.arange(idx.shape[1]), idx.shape[1]).amin(dim=1).clamp_min(1)
+        packed = pack_padded_sequence(self.embed(idx), lengths, batch_first=True, enforce_sorted=False)
+        h, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=idx.shape[1])
+        h0 = torch.tanh(self.start(self.embed(idx[:, 0])))[None]
+        out, _ = self.gru(h.transpose(0, 1), h0)
+        return self.head(out.transpose(0, 1))
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        return F.cross_entropy(self(idx).reshape(-1, VOCAB), idx.roll(-1, 1).reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+MODELS = {"attention": SequenceModel, "recurrent": RecurrentModel}
 CALLBACKS = {
     "osodp": lambda mode: OSODP(target_epsilon=8.0, target_delta=1e-5, seed=0, grad_sample_mode=mode),
     "fixed-threshold": lambda mode: FixedThresholdDP(
@@ -62,12 +94,13 @@ CALLBACKS = {
 
 @pytest.mark.parametrize("mode", ["book_keeping", "hooks"])
 @pytest.mark.parametrize("callback", list(CALLBACKS))
-def test_attention_and_transformer_layers_train_under_every_callback(callback, mode):
-    """Every parameter moves (the attention's own, ``out_proj``'s and ``bias_k``/``bias_v``'s included), the budget
-    holds, no consistency check is skipped, and after the fit the layers have their class's forward back and torch's
-    state dict, which loads into a fresh model."""
+@pytest.mark.parametrize("model", list(MODELS))
+def test_sequence_layers_train_under_every_callback(model, callback, mode):
+    """Every parameter moves (the attention's own, ``out_proj``'s and ``bias_k``/``bias_v``'s included, every
+    recurrent layer and direction's), the budget holds, no consistency check is skipped, and after the fit the layers
+    have their class's forward back and torch's state dict, which loads into a fresh model."""
     torch.manual_seed(0)
-    module = SequenceModel()
+    module = MODELS[model]()
     before = [p.detach().clone() for p in module.parameters()]
     data = TensorDataset(torch.randint(0, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(1)))
     dp = CALLBACKS[callback](mode)
@@ -77,7 +110,7 @@ def test_attention_and_transformer_layers_train_under_every_callback(callback, m
     assert dp.steps == 2 and 0 < dp.epsilon <= 8.0
     assert all(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
     assert not any("forward" in m.__dict__ for m in module.modules())
-    SequenceModel().load_state_dict(module.state_dict())  # strict: torch's keys
+    MODELS[model]().load_state_dict(module.state_dict())  # strict: torch's keys
 
 
 class RandomTokens(Dataset):

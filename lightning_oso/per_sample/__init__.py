@@ -75,7 +75,7 @@ The parts' sum, its root and the loss scale are rounded up, and so is the final 
 from __future__ import annotations
 
 # the layer files register their functions (``registry``) when imported: import them all before any lookup
-from lightning_oso.per_sample import attention, conv, embedding, fallback, linear, normalisation  # noqa: F401
+from lightning_oso.per_sample import attention, conv, embedding, fallback, linear, normalisation, recurrent  # noqa: F401
 from lightning_oso.per_sample.hooks import BookKeeping
 from lightning_oso.per_sample.parts import per_sample_norms, weighted_sums
 from lightning_oso.per_sample.registry import FAST_PATHS, fast_path, register_fast_path
