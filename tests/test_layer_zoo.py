@@ -681,6 +681,19 @@ DROPOUT_LAYERS = {
     "lstm-dropout-between-three-layers": lambda: Recurrent("LSTM", num_layers=3, dropout=0.5, bidirectional=True),
     "gru-packed-dropout": lambda: Recurrent("GRU", packed=True, num_layers=2, dropout=0.5, batch_first=False),
 }
+
+
+class DropsOut(nn.Module):
+    """A custom layer with a raw parameter and a functional dropout in its own forward (no fast path: the fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return F.dropout(torch.tanh(x @ self.weight), 0.5, self.training) @ self.weight
+
+
 DROPOUT_DATA = {
     "attention": floats(6, E),
     "encoder": tokens((6,), high=12),
@@ -725,6 +738,31 @@ def test_dropout_inside_attention_is_the_one_the_forward_drew(name, mode):
     torch.testing.assert_close(norms, per_sample_norms(reference), rtol=1e-4, atol=1e-6)
     for s, r in zip(sums, weighted_sums(reference, weights)):
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["vectors", "sequences"])
+def test_a_fallback_layer_that_draws_dropout_is_replayed_with_the_same_draws(positions):
+    """A fallback layer re-runs its forward: one drawing dropout in it is re-run on the whole batch from the generators'
+    state its forward started from, so its per-sample gradients are those of the masks the batch drew (the oracle:
+    each record's loss through the batch's own graph, same seed), also when it is called twice in one forward."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    layer = DropsOut()
+    model = seq(layer, nn.Tanh(), layer) if positions else seq(layer)
+    x = torch.randn(N, *((3, 4) if positions else (4,)), generator=g)
+    y = torch.randn(N, 1000, generator=g)
+    torch.manual_seed(7)
+    out = model(x)
+    after = torch.randn(3)  # the generators after the batch's forward: the re-runs must leave them so
+    reference = torch.zeros(N, 4, 4)
+    for i in range(N):
+        reference[i] = torch.autograd.grad(_loss(out[i : i + 1], y[i : i + 1]), layer.weight, retain_graph=True)[0]
+    weights = torch.rand(N, 2, generator=g)
+    torch.manual_seed(7)
+    _, norms, _, sums = _per_sample_source(model, x, lambda o: _loss(o, y), "book_keeping", lambda _: weights)
+    assert torch.equal(torch.randn(3), after)
+    torch.testing.assert_close(norms, per_sample_norms([reference]), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sums[0], weighted_sums([reference], weights)[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", [*SEQUENCE_ZOO, *DROPOUT_LAYERS])

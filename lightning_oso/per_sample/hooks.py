@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, composite_layers, inside, sequence_first
-from lightning_oso.per_sample.fallback import opacus_fallback
+from lightning_oso.per_sample.fallback import Generators, opacus_fallback
 from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts, tied
 from lightning_oso.per_sample.registry import fast_path
 
@@ -104,6 +104,13 @@ class BookKeeping:
             for layer in self.layers
             if isinstance(layer, nn.Embedding)
         ]
+        # a fallback layer re-runs its forward (``fallback``): where that forward draws random numbers (a functional
+        # dropout), the generators' state before it is kept, so that the re-run draws the same ones
+        self._handles += [
+            layer.register_forward_pre_hook(self._keep_generators)
+            for layer in self.layers
+            if self._kinds[layer] is None
+        ]
 
     @property
     def _owners(self) -> list[nn.Module]:
@@ -136,6 +143,10 @@ class BookKeeping:
 
     def clear(self) -> None:
         self._inputs, self._keywords, self._backprops, self._computed = {}, {}, {}, None
+        #: per fallback layer: the generators' state before its forward started, and per kept call the state it
+        #: started from if it drew random numbers (else ``None``)
+        self._generators_before: dict[nn.Module, Generators] = {}
+        self._generators: dict[nn.Module, list[Generators | None]] = {}
         for composite in getattr(self, "composites", {}).values():
             composite.clear()
         self._eager: dict[nn.Module, Any] = {}
@@ -181,6 +192,10 @@ class BookKeeping:
             return None
         return (idx.expand(self._forward_batch, *idx.shape[1:]), *inputs[1:])
 
+    def _keep_generators(self, layer: nn.Module, inputs: tuple) -> None:
+        if not self._computing and torch.is_grad_enabled():
+            self._generators_before[layer] = Generators.now()
+
     def _capture_input(self, layer: nn.Module, inputs: tuple, keywords: dict, output: Any) -> Tensor | None:
         dim = self._record_dims.get(layer, 0)
         for x in inputs:
@@ -205,6 +220,9 @@ class BookKeeping:
         self._keywords.setdefault(layer, []).append(
             {k: v.detach() if isinstance(v, Tensor) else v for k, v in keywords.items()}
         )
+        before = self._generators_before.pop(layer, None)
+        drew = before is not None and not before.same(Generators.now())
+        self._generators.setdefault(layer, []).append(before if drew else None)
         output.register_hook(functools.partial(self._capture_backprop, layer, len(calls) - 1))
         return replaced
 
@@ -242,10 +260,20 @@ class BookKeeping:
         if len(self._inputs[layer]) == 1:
             # the usual single call: compute this layer's part now, during backward, and let go of its input and
             # output gradient (an instantiating layer keeps only its per-sample gradients, often far smaller)
-            self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad], self._keywords[layer])
+            self._eager[layer] = self._layer_part(
+                layer, self._inputs[layer], [grad], self._keywords[layer], self._generators.get(layer)
+            )
             self._inputs[layer], self._keywords[layer], self._backprops[layer] = [], [], {}
+            self._generators.pop(layer, None)
 
-    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor], keywords: list[dict]) -> Any:
+    def _layer_part(
+        self,
+        layer: nn.Module,
+        inputs: list[tuple],
+        backprops: list[Tensor],
+        keywords: list[dict],
+        generators: list[Generators | None] | None = None,
+    ) -> Any:
         # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
         # of this layer's parameters while its part is computed
         frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
@@ -255,7 +283,7 @@ class BookKeeping:
             self._set_requires_grad(frozen, True)
             with torch.no_grad(), nb.exact_float32_products(backprops[0].device):
                 if kind is None:
-                    return opacus_fallback(layer, inputs, backprops, keywords)
+                    return opacus_fallback(layer, inputs, backprops, keywords, generators)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
                 inputs = [tuple(at_least_float32(x) for x in call) for call in inputs]
                 return kind(layer, inputs, [at_least_float32(g) for g in backprops])
@@ -276,7 +304,10 @@ class BookKeeping:
                 if calls:  # a layer called several times: its calls' positions are combined here
                     inputs = [self._inputs[layer][i] for i in sorted(calls)]
                     keywords = [self._keywords[layer][i] for i in sorted(calls)]
-                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)], keywords)
+                    kept = self._generators.get(layer)
+                    generators = [kept[i] for i in sorted(calls)] if kept is not None else None
+                    backprops = [calls[i] for i in sorted(calls)]
+                    self._computed[layer] = self._layer_part(layer, inputs, backprops, keywords, generators)
             for layer, composite in self.composites.items():
                 with torch.no_grad():
                     part = composite.part()
