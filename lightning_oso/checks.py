@@ -75,7 +75,8 @@ _TIED = (
 )
 _BATCH_DIM = (
     "the batch must be along dim 0: transpose time-major inputs in training_step ([T, n, ...] -> [n, T, ...]; "
-    "batch_first=True for recurrent layers), and do not merge the batch dimension with others (e.g. a reshape "
+    "torch's attention, transformer and recurrent layers take either layout as their batch_first says, every other "
+    "trainable layer needs the records first), and do not merge the batch dimension with others (e.g. a reshape "
     "[n, k, d] -> [n*k, d]) before a trainable layer. On a synthetic batch of {n} records, {what}: the per-sample "
     "gradients are not per record, so clipping them bounds no record's influence."
 )
