@@ -289,7 +289,21 @@ class Encoder(nn.Module):
         return out if self.batch_first else out.transpose(0, 1)
 
 
+class TiedAttention(nn.Module):
+    """The attention's output projection tied to a linear layer after it (one parameter, two layers' uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True)
+        self.head = nn.Linear(E, E, bias=False)
+        self.head.weight = self.attn.out_proj.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.attn(x, x, x, need_weights=False)[0]))
+
+
 SEQUENCE_ZOO = {
+    "attention-out-proj-tied-to-a-linear-layer": (lambda: TiedAttention(), floats(6, E)),
     "attention-self": (lambda: Attention(), floats(6, E)),
     "attention-self-seq-first-weights": (
         lambda: Attention(batch_first=False, need_weights=True, average=False),

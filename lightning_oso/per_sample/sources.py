@@ -45,6 +45,10 @@ class OpacusHooks(GradSampleHooks):
         self.composites = {layer: Composite(layer, host) for layer, host in self.hosts.items()}
         self._within = inside(list(self.composites))
         self.sequence_first = sequence_first(module)
+        #: the composites' parameters that layers Opacus hooks use too (tied): their grad_sample holds that use's
+        self._shared = {
+            id(p) for m in module.modules() if id(m) not in self._within for p in m.parameters(recurse=False)
+        } & {id(p) for composite in self.composites.values() for p in composite.parameters()}
         super().__init__(module, batch_first=True, loss_reduction=loss_reduction, strict=False)
 
     def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
@@ -97,7 +101,9 @@ class OpacusHooks(GradSampleHooks):
                         continue
                     if self.loss_reduction == "mean":
                         held = held * held.shape[0]
-                    p.grad_sample = held  # type: ignore[attr-defined]  # Opacus' attribute
+                    # a parameter tied to a layer Opacus hooks: its per-sample gradient is the sum of the uses'
+                    other = getattr(p, "grad_sample", None) if id(p) in self._shared else None
+                    p.grad_sample = held if not isinstance(other, Tensor) else other + held  # type: ignore[attr-defined]
         self.clear()
 
 
