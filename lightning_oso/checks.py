@@ -75,7 +75,8 @@ _TIED = (
 )
 _BATCH_DIM = (
     "the batch must be along dim 0: transpose time-major inputs in training_step ([T, n, ...] -> [n, T, ...]; "
-    "batch_first=True for recurrent layers), and do not merge the batch dimension with others (e.g. a reshape "
+    "torch's attention, transformer and recurrent layers take either layout as their batch_first says, every other "
+    "trainable layer needs the records first), and do not merge the batch dimension with others (e.g. a reshape "
     "[n, k, d] -> [n*k, d]) before a trainable layer. On a synthetic batch of {n} records, {what}: the per-sample "
     "gradients are not per record, so clipping them bounds no record's influence."
 )
@@ -341,7 +342,7 @@ def _isolated(strategy: Any, module: nn.Module) -> Iterator[None]:
     params = list(module.parameters())
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    dropouts = [m for m in module.modules() if isinstance(m, _DropoutNd) and m.training]
+    dropouts = [m for m in module.modules() if _drops_out(m) and m.training]
     own = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
     device = strategy.root_device
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
@@ -375,6 +376,14 @@ def _isolated(strategy: Any, module: nn.Module) -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
+def _drops_out(module: nn.Module) -> bool:
+    """A dropout module, or a layer that draws dropout inside its own forward while training (attention weights,
+    between recurrent layers): set to eval mode for the checks, which affects nothing else in these layers."""
+    if isinstance(module, _DropoutNd):
+        return True
+    return isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and float(module.dropout) > 0
+
+
 def _numpy_state() -> Any:
     try:
         import numpy as np
@@ -388,6 +397,8 @@ def _reset_hooks(hooks: Any, module: nn.Module) -> None:
     if isinstance(hooks, BookKeeping):
         hooks.clear()
         return
+    if isinstance(hooks, per_sample.OpacusHooks):
+        hooks.clear()  # the composite layers' observed ops
     for m in module.modules():
         if hasattr(m, "activations"):
             m.__dict__["activations"] = []  # Opacus' hooks keep the captured inputs here

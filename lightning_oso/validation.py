@@ -45,15 +45,17 @@ def validate_model(module: nn.Module) -> None:
                 f"{label}: running statistics accumulate across samples; pass "
                 "track_running_stats=False or use nn.GroupNorm"
             )
-        elif isinstance(layer, nn.RNNBase):
+        elif isinstance(layer, nn.RNNBase) and type(layer) not in (nn.RNN, nn.LSTM, nn.GRU):
             problems.append(
-                f"{label}: Opacus computes no per-sample gradient for torch's fused recurrent layers; "
-                "use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in replacements)"
+                f"{label}: a recurrent layer other than torch's nn.RNN, nn.LSTM and nn.GRU may compute its own "
+                "forward, which the per-sample path (that of torch's layers) would not see; use one of those, or "
+                "build it from nn.Linear layers called once per time step (as opacus.layers.DPLSTM)"
             )
-        elif isinstance(layer, nn.MultiheadAttention):
+        elif isinstance(layer, nn.MultiheadAttention) and type(layer) is not nn.MultiheadAttention:
             problems.append(
-                f"{label}: Opacus computes no per-sample gradient for nn.MultiheadAttention; use "
-                "opacus.layers.DPMultiheadAttention (a drop-in replacement)"
+                f"{label}: a subclass of nn.MultiheadAttention may compute its own forward, which the per-sample "
+                "path (that of torch's nn.MultiheadAttention) would not see; use nn.MultiheadAttention itself, or "
+                "build the subclass from nn.Linear layers (each with its own per-sample gradients)"
             )
         elif (
             isinstance(layer, (nn.Embedding, nn.EmbeddingBag))

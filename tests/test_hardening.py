@@ -166,8 +166,9 @@ def test_validation_and_test_loops_cost_no_privacy_and_keep_nothing():
 
 
 def test_opacus_dp_lstm_trains_on_both_paths_alike():
-    """nn.LSTM is refused (test_errors); Opacus' DPLSTM, made of linear cells called once per time step, works on
-    the fast path (its RNNLinear cells go through Opacus' sampler, the calls summed) as on the hooks path."""
+    """Opacus' DPLSTM, made of linear cells called once per time step (torch's nn.LSTM trains too, see
+    test_layer_zoo), works on the fast path (its RNNLinear cells go through Opacus' sampler, the calls summed) as on
+    the hooks path."""
     from opacus.layers import DPLSTM
 
     class Recurrent(ToyModel):

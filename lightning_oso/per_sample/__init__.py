@@ -11,6 +11,9 @@ gradients where that is cheaper (ghost norm, Goodfellow 2015 and Li et al. 2022;
   by one file per layer kind: ``linear`` (and transformers' ``Conv1D``), ``conv`` (every padding mode, groups, 1-3
   d, transposed), ``embedding`` (and ``EmbeddingBag``), ``normalisation``; any other layer goes to ``fallback``
   (exact: Opacus' per-sample gradient function for its type, else ``torch.func``, else one record at a time);
+- ``composite``: layers that use their parameters inside their own forward, observed op by op on the instance
+  (``attention``: ``nn.MultiheadAttention``; ``recurrent``: ``nn.RNN``, ``nn.LSTM``, ``nn.GRU``), each product with a
+  parameter a Linear layer's part;
 - ``parts``: per-sample gradients held as tensors, what the layer parts share, and the part of a tied parameter
   (one registered by several layers: its per-sample gradient is the sum of its uses', ``parts.tied``);
 - ``norm_bounds``: the rounding model that makes every norm an upper bound of the true one;
@@ -75,7 +78,7 @@ The parts' sum, its root and the loss scale are rounded up, and so is the final 
 from __future__ import annotations
 
 # the layer files register their functions (``registry``) when imported: import them all before any lookup
-from lightning_oso.per_sample import conv, embedding, fallback, linear, normalisation  # noqa: F401
+from lightning_oso.per_sample import attention, conv, embedding, fallback, linear, normalisation, recurrent  # noqa: F401
 from lightning_oso.per_sample.hooks import BookKeeping
 from lightning_oso.per_sample.parts import per_sample_norms, weighted_sums
 from lightning_oso.per_sample.registry import FAST_PATHS, fast_path, register_fast_path
@@ -83,6 +86,7 @@ from lightning_oso.per_sample.sources import (
     GRAD_SAMPLE_MODES,
     GradSampleSource,
     HookedSource,
+    OpacusHooks,
     PerSampleSource,
     TensorSource,
     attach,
@@ -97,6 +101,7 @@ __all__ = [
     "BookKeeping",
     "GradSampleSource",
     "HookedSource",
+    "OpacusHooks",
     "PerSampleSource",
     "TensorSource",
     "attach",

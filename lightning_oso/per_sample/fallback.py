@@ -12,14 +12,21 @@ Chosen automatically, in this order:
 3. where ``vmap`` cannot run the forward (data-dependent control flow, in-place updates, ...): autograd on the layer's
    forward, one record at a time (slow, exact).
 
-Each way re-runs the layer's forward on the inputs it kept: randomness inside a fallback layer's own forward (a
-functional dropout) is drawn again. The layer must treat records independently along dim 0, as every layer must
-under per-sample DP (``checks`` tests it on a synthetic batch).
+Ways 2 and 3 re-run the layer's forward on the inputs it kept. A forward that draws random numbers (a functional
+dropout in a custom layer) would draw others, and the per-sample gradients would be those of other masks: the hooks
+keep the generators' state from before such a forward (``Generators``: the state changed across it), and the layer
+is re-run instead on the whole batch from that state, so that it draws the same numbers in the same order (same
+shapes, same ops), each record's gradient then taken through that graph (autograd, one backward per record). Opacus'
+functions (way 1) read the forward's inputs and output gradients only, whatever it drew.
+
+The layer must treat records independently along dim 0, as every layer must under per-sample DP (``checks`` tests it
+on a synthetic batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +36,43 @@ from lightning_oso.per_sample.parts import Instantiated, accumulate
 from lightning_oso.per_sample.registry import FAST_PATHS
 
 
+@dataclass(frozen=True)
+class Generators:
+    """The state of torch's CPU generator and, where CUDA is in use, of the current CUDA device's."""
+
+    cpu: Tensor
+    cuda: Tensor | None
+    device: int | None
+
+    @classmethod
+    def now(cls) -> Generators:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+            return cls(torch.get_rng_state(), torch.cuda.get_rng_state(device), device)
+        return cls(torch.get_rng_state(), None, None)
+
+    def same(self, other: Generators) -> bool:
+        """Whether no random number was drawn between the two states."""
+        if self.device != other.device or not torch.equal(self.cpu, other.cpu):
+            return False
+        return self.cuda is None or other.cuda is None or torch.equal(self.cuda, other.cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None and self.device is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
 def opacus_fallback(
-    layer: nn.Module, inputs: list[tuple], backprops: list[Tensor], keywords: list[dict] | None = None
+    layer: nn.Module,
+    inputs: list[tuple],
+    backprops: list[Tensor],
+    keywords: list[dict] | None = None,
+    generators: list[Generators | None] | None = None,
 ) -> Instantiated:
     """Any layer without a fast path: Opacus' function for its type, else ``torch.func``, else one record at a time
-    (see the module docstring)."""
+    (see the module docstring); a call whose forward drew random numbers (``generators``: the state it started from,
+    else ``None``) is re-run on the whole batch from that state."""
     from opacus.grad_sample import GradSampleModule
 
     keywords = keywords or [{} for _ in inputs]
@@ -46,7 +85,12 @@ def opacus_fallback(
                     accumulate(grads, p, gs)
         return Instantiated(grads)
     own = {name: p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
-    for x, kw, g in zip(inputs, keywords, backprops):
+    for x, kw, g, state in zip(inputs, keywords, backprops, generators or [None] * len(inputs)):
+        if state is not None:
+            per_sample = _replayed(layer, own, x, kw, g, state)
+            for name, p in own.items():
+                accumulate(grads, p, per_sample[name])
+            continue
         try:
             per_sample = _vmapped(layer, own, x, kw, g)
         except Exception:  # vmap cannot run this forward: autograd, one record at a time
@@ -81,6 +125,30 @@ def _vmapped(layer: nn.Module, own: Mapping[str, Tensor], args: tuple, keywords:
         return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, *in_dims))(
             {k: p.detach() for k, p in own.items()}, b, *values
         )
+
+
+def _replayed(
+    layer: nn.Module, own: Mapping[str, Tensor], args: tuple, keywords: dict, b: Tensor, state: Generators
+) -> dict[str, Tensor]:
+    """The forward on the whole batch from the generators' ``state`` (the same random draws as the batch's forward),
+    then each record's gradient through that one graph; the generators are left as they were."""
+    n = b.shape[0]
+    params = list(own.values())
+    devices = [state.device] if state.device is not None else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        state.restore()
+        out = layer(*args, **keywords)
+    rows: dict[str, list[Tensor]] = {name: [] for name in own}
+    for i in range(n):
+        with torch.enable_grad():
+            grads = torch.autograd.grad(
+                (out[i : i + 1] * b[i : i + 1]).sum(), params, retain_graph=i < n - 1, allow_unused=True
+            )
+        for (name, p), g in zip(own.items(), grads):
+            rows[name].append(torch.zeros_like(p) if g is None else g)
+    if n == 0:
+        return {name: p.new_zeros((0, *p.shape)) for name, p in own.items()}
+    return {name: torch.stack(values) for name, values in rows.items()}
 
 
 def _one_at_a_time(

@@ -8,7 +8,9 @@ and scales the loss by ``n`` before backward, so that ``b_i`` is already sample 
 The layer's function from the registry (``registry``: linear, conv, embedding, normalisation layers) turns them into
 its part of the norms and sums; a layer the registry does not cover goes to the exact fallback (``fallback``). A
 parameter registered by several layers (a tied weight) gets one part of its own, the sum of its uses'
-(``parts.tied``).
+(``parts.tied``). A layer that uses its parameters inside its own forward (``nn.MultiheadAttention``, the recurrent
+layers) is observed op by op instead (``composite``): the per-sample quantities of all of its parameters, its
+submodules' included, come from its ops' inputs and output gradients.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
-from lightning_oso.per_sample.fallback import opacus_fallback
+from lightning_oso.per_sample.composite import Composite, composite_layers, inside, sequence_first
+from lightning_oso.per_sample.fallback import Generators, opacus_fallback
 from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts, tied
 from lightning_oso.per_sample.registry import fast_path
 
@@ -56,14 +59,25 @@ class BookKeeping:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
+        self._anchors: dict[tuple, Tensor] = {}
+        self._frozen: dict[nn.Module, list[nn.Parameter]] | None = None  # per layer, while frozen
+        #: layers observed op by op (``composite``): they own their submodules' parameters too
+        self.composites = {layer: Composite(layer, self) for layer in composite_layers(module)}
+        within = inside(list(self.composites))
         self.layers = [
             m
             for m in module.modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False)) and not _aliases_only(m)
+            if id(m) not in within
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+            and not _aliases_only(m)
         ]
+        #: layers whose records are along dim 1 (inside torch's transformer layers with ``batch_first=False``): their
+        #: inputs and output gradients are kept with the records first
+        seq_first = sequence_first(module)
+        self._record_dims = {layer: 1 for layer in self.layers if id(layer) in seq_first}
         owners: dict[int, list[nn.Module]] = {}
-        for layer in self.layers:
-            for p in layer.parameters(recurse=False):
+        for layer in self._owners:
+            for p in self._owned(layer):
                 if p.requires_grad:
                     owners.setdefault(id(p), []).append(layer)
         #: ids of every parameter the hooked layers own: those this object can give sums for
@@ -72,8 +86,8 @@ class BookKeeping:
         #: those layers: their per-sample gradient is the sum of the layers' (``parts.tied``)
         self.tied: dict[nn.Parameter, list[nn.Module]] = {
             p: owners[id(p)]
-            for layer in self.layers
-            for p in layer.parameters(recurse=False)
+            for layer in self._owners
+            for p in self._owned(layer)
             if p.requires_grad and len(owners[id(p)]) > 1
         }
         # what computes each layer's part: decided once, not per step
@@ -82,9 +96,7 @@ class BookKeeping:
         self._keywords: dict[nn.Module, list[dict]] = {}
         self._backprops: dict[nn.Module, dict[int, Tensor]] = {}
         self._computed: dict[Any, Any] | None = None
-        self._frozen: dict[nn.Module, list[nn.Parameter]] | None = None  # per layer, while frozen
         self._computing = False
-        self._anchors: dict[tuple, Tensor] = {}
         self.clear()
         self._handles = [layer.register_forward_hook(self._capture_input, with_kwargs=True) for layer in self.layers]
         self._handles += [
@@ -92,6 +104,24 @@ class BookKeeping:
             for layer in self.layers
             if isinstance(layer, nn.Embedding)
         ]
+        # a fallback layer re-runs its forward (``fallback``): where that forward draws random numbers (a functional
+        # dropout), the generators' state before it is kept, so that the re-run draws the same ones
+        self._handles += [
+            layer.register_forward_pre_hook(self._keep_generators)
+            for layer in self.layers
+            if self._kinds[layer] is None
+        ]
+
+    @property
+    def _owners(self) -> list[nn.Module]:
+        """Every layer that owns parameters here: the hooked layers and the composites."""
+        return [*self.layers, *self.composites]
+
+    def _owned(self, layer: nn.Module) -> list[nn.Parameter]:
+        """The parameters ``layer`` computes the part of: its own, and a composite's submodules' too."""
+        if layer in self.composites:
+            return self.composites[layer].parameters()
+        return list(layer.parameters(recurse=False))
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -99,7 +129,7 @@ class BookKeeping:
         if self._frozen is not None:
             params = [p for params in self._frozen.values() for p in params]
         else:
-            params = [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
+            params = [p for layer in self._owners for p in self._owned(layer) if p.requires_grad]
         return list({id(p): p for p in params}.values())  # a tied parameter once
 
     def remove(self) -> None:
@@ -107,10 +137,18 @@ class BookKeeping:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for composite in self.composites.values():
+            composite.remove()
         self.clear()
 
     def clear(self) -> None:
         self._inputs, self._keywords, self._backprops, self._computed = {}, {}, {}, None
+        #: per fallback layer: the generators' state before its forward started, and per kept call the state it
+        #: started from if it drew random numbers (else ``None``)
+        self._generators_before: dict[nn.Module, Generators] = {}
+        self._generators: dict[nn.Module, list[Generators | None]] = {}
+        for composite in getattr(self, "composites", {}).values():
+            composite.clear()
         self._eager: dict[nn.Module, Any] = {}
         self._forward_batch = 0  # the largest dim 0 of a hooked layer's input since the last clear
         self.batch_size: int | None = None  # of the last backward pass; None if no hooked layer received a gradient
@@ -128,9 +166,7 @@ class BookKeeping:
         layers' outputs are made to require gradients so that backward still reaches every one of them.
         """
         if self._frozen is None:
-            self._frozen = {
-                layer: [p for p in layer.parameters(recurse=False) if p.requires_grad] for layer in self.layers
-            }
+            self._frozen = {layer: [p for p in self._owned(layer) if p.requires_grad] for layer in self._owners}
             self._set_requires_grad(self.parameters, False)
 
     def unfreeze(self) -> None:
@@ -156,10 +192,15 @@ class BookKeeping:
             return None
         return (idx.expand(self._forward_batch, *idx.shape[1:]), *inputs[1:])
 
+    def _keep_generators(self, layer: nn.Module, inputs: tuple) -> None:
+        if not self._computing and torch.is_grad_enabled():
+            self._generators_before[layer] = Generators.now()
+
     def _capture_input(self, layer: nn.Module, inputs: tuple, keywords: dict, output: Any) -> Tensor | None:
+        dim = self._record_dims.get(layer, 0)
         for x in inputs:
-            if isinstance(x, Tensor) and x.dim() > 0 and torch.is_grad_enabled() and not self._computing:
-                self._forward_batch = max(self._forward_batch, x.shape[0])
+            if isinstance(x, Tensor) and x.dim() > dim and torch.is_grad_enabled() and not self._computing:
+                self._forward_batch = max(self._forward_batch, x.shape[dim])
                 break
         if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
             return None  # evaluation, or a fallback sampler re-running the layer
@@ -171,16 +212,35 @@ class BookKeeping:
             output = replaced = output + self._anchor(output)
         if not output.requires_grad:
             return None  # a forward that backward will not reach
-        if output.dim() > 0:
-            self.forward_batch_size = max(self.forward_batch_size, output.shape[0])
+        if output.dim() > dim:
+            self.forward_batch_size = max(self.forward_batch_size, output.shape[dim])
         calls = self._inputs.setdefault(layer, [])
         inputs, keywords = _bind(layer, inputs, keywords)
-        calls.append(tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs))
+        calls.append(tuple(_records_first(x.detach(), dim) if isinstance(x, Tensor) else x for x in inputs))
         self._keywords.setdefault(layer, []).append(
             {k: v.detach() if isinstance(v, Tensor) else v for k, v in keywords.items()}
         )
+        before = self._generators_before.pop(layer, None)
+        drew = before is not None and not before.same(Generators.now())
+        self._generators.setdefault(layer, []).append(before if drew else None)
         output.register_hook(functools.partial(self._capture_backprop, layer, len(calls) - 1))
         return replaced
+
+    # --- what a composite layer reports (``composite.Host``)
+    def anchored(self, output: Tensor) -> Tensor:
+        if self._frozen is not None and not output.requires_grad and output.is_floating_point():
+            return output + self._anchor(output)  # as for a first layer (``_capture_input``)
+        return output
+
+    def forward_records(self, n: int) -> None:
+        self._forward_batch = max(self._forward_batch, n)
+        self.forward_batch_size = max(self.forward_batch_size, n)
+
+    def backward_records(self, n: int) -> None:
+        self.batch_size = n
+
+    def repeated_backward(self) -> None:
+        self.several_backward_passes = True
 
     def _anchor(self, like: Tensor) -> Tensor:
         key = (like.device, like.dtype)
@@ -189,7 +249,8 @@ class BookKeeping:
         return self._anchors[key]
 
     def _capture_backprop(self, layer: nn.Module, call: int, grad: Tensor) -> None:
-        grad = grad.detach()  # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here
+        # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here
+        grad = _records_first(grad.detach(), self._record_dims.get(layer, 0))
         self.batch_size = grad.shape[0]
         calls = self._backprops.setdefault(layer, {})
         if call in calls or layer in self._eager:  # a second backward pass over one forward
@@ -199,10 +260,20 @@ class BookKeeping:
         if len(self._inputs[layer]) == 1:
             # the usual single call: compute this layer's part now, during backward, and let go of its input and
             # output gradient (an instantiating layer keeps only its per-sample gradients, often far smaller)
-            self._eager[layer] = self._layer_part(layer, self._inputs[layer], [grad], self._keywords[layer])
+            self._eager[layer] = self._layer_part(
+                layer, self._inputs[layer], [grad], self._keywords[layer], self._generators.get(layer)
+            )
             self._inputs[layer], self._keywords[layer], self._backprops[layer] = [], [], {}
+            self._generators.pop(layer, None)
 
-    def _layer_part(self, layer: nn.Module, inputs: list[tuple], backprops: list[Tensor], keywords: list[dict]) -> Any:
+    def _layer_part(
+        self,
+        layer: nn.Module,
+        inputs: list[tuple],
+        backprops: list[Tensor],
+        keywords: list[dict],
+        generators: list[Generators | None] | None = None,
+    ) -> Any:
         # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
         # of this layer's parameters while its part is computed
         frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
@@ -212,7 +283,7 @@ class BookKeeping:
             self._set_requires_grad(frozen, True)
             with torch.no_grad(), nb.exact_float32_products(backprops[0].device):
                 if kind is None:
-                    return opacus_fallback(layer, inputs, backprops, keywords)
+                    return opacus_fallback(layer, inputs, backprops, keywords, generators)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
                 inputs = [tuple(at_least_float32(x) for x in call) for call in inputs]
                 return kind(layer, inputs, [at_least_float32(g) for g in backprops])
@@ -224,7 +295,7 @@ class BookKeeping:
     @property
     def _device(self) -> torch.device:
         """Where the hooked layers live (their parameters' device)."""
-        return next(p.device for layer in self.layers for p in layer.parameters(recurse=False))
+        return next(p.device for layer in self._owners for p in self._owned(layer))
 
     def _compute(self) -> dict[Any, Any]:
         if self._computed is None:
@@ -233,7 +304,15 @@ class BookKeeping:
                 if calls:  # a layer called several times: its calls' positions are combined here
                     inputs = [self._inputs[layer][i] for i in sorted(calls)]
                     keywords = [self._keywords[layer][i] for i in sorted(calls)]
-                    self._computed[layer] = self._layer_part(layer, inputs, [calls[i] for i in sorted(calls)], keywords)
+                    kept = self._generators.get(layer)
+                    generators = [kept[i] for i in sorted(calls)] if kept is not None else None
+                    backprops = [calls[i] for i in sorted(calls)]
+                    self._computed[layer] = self._layer_part(layer, inputs, backprops, keywords, generators)
+            for layer, composite in self.composites.items():
+                with torch.no_grad():
+                    part = composite.part()
+                if part is not None:
+                    self._computed[layer] = part
             for param, layers in self.tied.items():
                 # each use hands over its instantiated share; the tied part holds their sum (cross terms included)
                 uses = [self._computed[layer].take(param) for layer in layers if layer in self._computed]
@@ -276,6 +355,11 @@ class BookKeeping:
             sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=sum_dtype(p.dtype), device=p.device)
             for p in params
         ]
+
+
+def _records_first(x: Tensor, dim: int) -> Tensor:
+    """``x`` with the records (along ``dim``) first: a view."""
+    return x.movedim(dim, 0) if dim and x.dim() > dim else x
 
 
 def _bind(layer: nn.Module, args: tuple, keywords: dict) -> tuple[tuple, dict]:

@@ -15,21 +15,100 @@ in this order).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol, TypeAlias
 
 import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
+from lightning_oso.per_sample import norm_bounds as nb
+from lightning_oso.per_sample.composite import Composite, Standalone, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.hooks import BookKeeping
 from lightning_oso.per_sample.parts import per_sample_norms, sum_dtype, weighted_sums
 
 #: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
 
+
+class OpacusHooks(GradSampleHooks):
+    """Opacus' per-sample gradient hooks (``grad_sample_mode="hooks"``), for every layer but the composites
+    (``composite``: ``nn.MultiheadAttention``, the recurrent layers), whose per-sample gradients are formed from their
+    observed ops and written to ``p.grad_sample`` when the source is read (:meth:`fill`). Opacus has no function for
+    them: its ``torch.func`` route would re-run them with the records along dim 0, their positional arguments only,
+    and their dropout drawn again. The linear and normalisation layers of torch's transformer layers built with
+    ``batch_first=False`` have their records along dim 1, and are told so."""
+
+    def __init__(self, module: nn.Module, loss_reduction: str) -> None:
+        # set before Opacus' constructor, which walks the modules (``iterate_submodules``)
+        self.hosts = {layer: Standalone() for layer in composite_layers(module)}
+        self.composites = {layer: Composite(layer, host) for layer, host in self.hosts.items()}
+        self._within = inside(list(self.composites))
+        self.sequence_first = sequence_first(module)
+        #: the composites' parameters that layers Opacus hooks use too (tied): their grad_sample holds that use's
+        self._shared = {
+            id(p) for m in module.modules() if id(m) not in self._within for p in m.parameters(recurse=False)
+        } & {id(p) for composite in self.composites.values() for p in composite.parameters()}
+        super().__init__(module, batch_first=True, loss_reduction=loss_reduction, strict=False)
+
+    def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
+        if id(module) not in self._within:
+            yield from super().iterate_submodules(module)
+
+    def rearrange_grad_samples(self, *, module: nn.Module, backprops: Tensor, loss_reduction: str, batch_first: bool):
+        first = batch_first and id(module) not in self.sequence_first
+        return super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=first
+        )
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        for composite in self.composites.values():
+            composite.remove()
+
+    @property
+    def forward_batch_size(self) -> int:
+        return max((host.forward_batch_size for host in self.hosts.values()), default=0)
+
+    @property
+    def several_backward_passes(self) -> bool:
+        return any(host.several_backward_passes for host in self.hosts.values())
+
+    def clear(self) -> None:
+        for layer, composite in self.composites.items():
+            composite.clear()
+            self.hosts[layer].forward_batch_size = 0
+            self.hosts[layer].several_backward_passes = False
+
+    def fill(self) -> None:
+        """Write the composites' per-sample gradients of the last backward pass to ``p.grad_sample`` (a mean loss's
+        are multiplied by the batch size, as Opacus does), and let go of what their ops kept."""
+        if self.several_backward_passes:
+            self.clear()
+            raise RuntimeError(_SEVERAL_BACKWARDS)
+        for composite in self.composites.values():
+            params = composite.parameters()
+            if not params:
+                continue
+            with torch.no_grad(), nb.exact_float32_products(params[0].device):
+                part = composite.part()
+                if part is None:
+                    continue
+                for p in params:
+                    try:
+                        held, _ = part.take(p)
+                    except KeyError:  # no op of this forward used it
+                        continue
+                    if self.loss_reduction == "mean":
+                        held = held * held.shape[0]
+                    # a parameter tied to a layer Opacus hooks: its per-sample gradient is the sum of the uses'
+                    other = getattr(p, "grad_sample", None) if id(p) in self._shared else None
+                    p.grad_sample = held if not isinstance(other, Tensor) else other + held  # type: ignore[attr-defined]
+        self.clear()
+
+
 #: The hooks of either mode, as :func:`attach` returns them.
-Hooks: TypeAlias = BookKeeping | GradSampleHooks
+Hooks: TypeAlias = BookKeeping | OpacusHooks
 
 
 class PerSampleSource(Protocol):
@@ -60,7 +139,7 @@ def attach(module: nn.Module, mode: str, loss_reduction: str) -> Hooks:
         return BookKeeping(module, loss_reduction=loss_reduction)
     # Opacus' full backward hooks on the first layer fire although the input needs no gradient; harmless
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-    hooks = GradSampleHooks(module, batch_first=True, loss_reduction=loss_reduction, strict=False)
+    hooks = OpacusHooks(module, loss_reduction=loss_reduction)
     hooks.enable_hooks()
     return hooks
 
@@ -75,17 +154,20 @@ def detach(hooks: Hooks | None) -> None:
 
 def forward_batch_size(hooks: Hooks | None, module: nn.Module | None) -> int:
     """The records of the last forward pass, counted as the coming backward pass's per-sample gradients will count
-    them (0 if no hooked layer ran): the largest dim 0 of the hooked layers' outputs (book-keeping hooks), or of the
-    last input that Opacus' hooks keep per layer, or a recurrent layer's ``max_batch_len`` (Opacus' own count).
-    Known before backward, so that the loss can be scaled by it (``loss_scale``)."""
+    them (0 if no hooked layer ran): the largest record dim of the hooked layers' outputs (book-keeping hooks), or of
+    the last input that Opacus' hooks keep per layer, or a recurrent layer's ``max_batch_len`` (Opacus' own count), or
+    of a composite layer's observed ops. Known before backward, so that the loss can be scaled by it
+    (``loss_scale``)."""
     if isinstance(hooks, BookKeeping):
         return hooks.forward_batch_size
-    rows = 0
+    rows = hooks.forward_batch_size if isinstance(hooks, OpacusHooks) else 0
+    seq_first = hooks.sequence_first if isinstance(hooks, OpacusHooks) else set()
     for m in module.modules() if module is not None else ():
         rows = max(rows, int(getattr(m, "max_batch_len", 0) or 0))
+        dim = 1 if id(m) in seq_first else 0
         for inputs in getattr(m, "activations", None) or ():
-            if inputs and isinstance(inputs[-1], Tensor) and inputs[-1].dim() > 0:
-                rows = max(rows, inputs[-1].shape[0])
+            if inputs and isinstance(inputs[-1], Tensor) and inputs[-1].dim() > dim:
+                rows = max(rows, inputs[-1].shape[dim])
     return rows
 
 
@@ -98,6 +180,8 @@ def source(hooks: Hooks | None, params: Sequence[Tensor]) -> PerSampleSource:
     """
     if isinstance(hooks, BookKeeping):
         return HookedSource(hooks, params)
+    if isinstance(hooks, OpacusHooks):
+        hooks.fill()
     return GradSampleSource(params)
 
 

@@ -40,7 +40,7 @@ from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.errors import PrivateStepRefused
-from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, loss_scale, norm_bounds
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, OpacusHooks, loss_scale, norm_bounds
 from lightning_oso.per_sample.sources import Hooks
 from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
 from lightning_oso.step import (
@@ -207,6 +207,8 @@ class PrivateTraining(_StrategyBase):
         if isinstance(self._hooks, BookKeeping):
             self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
             self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
+        elif isinstance(self._hooks, OpacusHooks):
+            self._hooks.clear()  # the composite layers' observed ops, likewise
         return super().training_step(*args, **kwargs)
 
     @override
