@@ -391,7 +391,9 @@ def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sh
         "epsilon_spent": None if dp is None else dp.epsilon,
         "steps": trainer.global_step,
         # steps of earlier sittings stopped before their first checkpoint (not in this run's epsilon)
-        "abandoned_steps": sum(len(path.read_text().splitlines()) for path in abandoned),
+        "abandoned_steps": sum(
+            line.startswith('{"step":') for path in abandoned for line in path.read_text().splitlines()
+        ),
         "seconds_this_sitting": time.time() - started,
         "torch": torch.__version__,
     }

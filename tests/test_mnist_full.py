@@ -63,7 +63,9 @@ def test_runner_keeps_each_run_and_the_report_reads_them(tmp_path):
     # a sitting killed before its first checkpoint left a ledger: the run starts again and says so
     online = mnist_full.spec("Online", 3.0, 0, steps=3, train_size=640, batch_size=48, lr=10**-0.5)
     (tmp_path / "work" / online.name).mkdir(parents=True)
-    (tmp_path / "work" / online.name / "ledger.jsonl").write_text("{}\n{}\n")
+    (tmp_path / "work" / online.name / "ledger.jsonl").write_text(
+        '{"ledger":"lightning_oso"}\n{"step":1,"nu":1.0,"q":0.1}\n{"step":2,"nu":1.0,"q":0.1}\n'
+    )
     first = mnist_full.main(["--plan", "table11", "--max-runs", "2", *common])
     tiny = {"steps": 3, "train_size": 640, "batch_size": 48}
     fixed = mnist_full.spec("FixedThreshold", 3.0, 0, **tiny, **mnist_full.table11_cell("FixedThreshold", 3.0))
