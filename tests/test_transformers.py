@@ -39,9 +39,10 @@ def bert():
 
 
 def causal_lm_loss(logits, labels):
-    """The recipe of the README: each record's loss is the mean over its own non-padded tokens (label -100 excluded),
-    and the batch's loss the mean of the records' (``loss_reduction="mean"``). transformers' own ``labels=`` loss is
-    a mean over every token of the batch, which weighs a record by its share of the batch's tokens: not per record."""
+    """The recipe of the user guide (docs/guide/transformers.md): each record's loss is the mean over its own
+    non-padded tokens (label -100 excluded), and the batch's loss the mean of the records' (``loss_reduction="mean"``).
+    transformers' own ``labels=`` loss is a mean over every token of the batch, which weighs a record by its share of
+    the batch's tokens: not per record."""
     shifted, targets = logits[:, :-1], labels[:, 1:]
     tokens = nn.functional.cross_entropy(shifted.transpose(1, 2), targets, ignore_index=-100, reduction="none")
     counts = (targets != -100).sum(dim=1).clamp_min(1)
