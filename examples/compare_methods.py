@@ -20,7 +20,8 @@ parameters); ``mnist``, ``fashion-mnist`` and ``ag-news`` when ``--data-dir`` ho
 ``lightning_oso.datasets``).
 
     python examples/compare_methods.py --quick                 # a few minutes on 2 CPU cores
-    python examples/compare_methods.py --k 5 --jobs 2          # the README's table (hours)
+    python examples/compare_methods.py --k 5 --jobs 2          # the digits comparison, every seed charged (hours)
+    python examples/compare_methods.py --k 5 --jobs 2 --resume --uncharged-seeds   # docs/results/digits.md's tables
     # the paper's MNIST settings (Table 1 and Table 8): k = 9, epsilon 3 5 7 9, batch 512, 10 epochs, 5 seeds
     python examples/compare_methods.py --tasks mnist-5k --k 9 --epsilons 3 5 7 9 --batch-size 512
 

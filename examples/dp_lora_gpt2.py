@@ -21,7 +21,7 @@ What it does, with nothing downloaded (no tokenizer, no weights, no data set):
 TensorBoard logs (``dp/clip``, ``dp/lr``, ``dp/epsilon``, ``val/loss``, ``val/perplexity``) go to ``--log-dir``;
 a table of the results is printed (and written as JSON with ``--out``).
 
-    OMP_NUM_THREADS=1 python examples/dp_lora_gpt2.py   # about a minute on the 2-core development machine
+    OMP_NUM_THREADS=1 python examples/dp_lora_gpt2.py   # about a minute on 2 CPU cores
     python examples/dp_lora_gpt2.py --quick             # a smaller model and 10 steps: the smoke test's setting
     tensorboard --logdir lightning_logs/dp_lora
 """
@@ -69,8 +69,11 @@ def dataset_descriptions() -> list[str]:
 
 
 def project_documents(root: Path = REPOSITORY) -> list[str]:
-    """This project's documentation, one document per ``##`` section (the text before the first one included)."""
-    files = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
+    """This project's documentation (the README, the documentation site's home, user guide and algorithms pages, and
+    the CHANGELOG), one document per ``##`` section (the text before the first one included)."""
+    docs = root / "docs"
+    pages = [*sorted(docs.glob("*.md")), *sorted((docs / "guide").glob("*.md"))]
+    files = [root / "README.md", *pages, root / "CHANGELOG.md"]
     documents: list[str] = []
     for path in files:
         current: list[str] = []

@@ -11,18 +11,18 @@ them. What each step computes and releases, and what the guarantee covers: the a
 documentation (``docs/algorithms.md``; ``make docs`` builds the site).
 
 Example:
-    The plan of the README's demo (expected batch 64 out of 1,437 records, 690 steps, epsilon 3 at delta 1e-5):
-    the noise multiplier ``OSODP`` calibrates, its split between OSO's two queries (Proposition 1), and the
-    epsilon the run spends.
+    The plan of the demo, ``examples/digits_oso.py`` (expected batch 64 out of 1,257 records, 600 steps, epsilon 3
+    at delta 1e-5): the noise multiplier ``OSODP`` calibrates, its split between OSO's two queries (Proposition 1),
+    and the epsilon the run spends.
 
     >>> from lightning_oso import OSODP, calibrate_noise_multiplier, compute_epsilon, split_noise_multiplier
-    >>> nu = calibrate_noise_multiplier(3.0, 1e-5, sample_rate=64 / 1437, steps=690)
+    >>> nu = calibrate_noise_multiplier(3.0, 1e-5, sample_rate=64 / 1257, steps=600)
     >>> round(nu, 2)
-    1.83
+    1.93
     >>> nu_g, nu_q = split_noise_multiplier(nu)  # nu_q = 7.124 nu by default, so nu_g = 1.01 nu
     >>> round(nu_g / nu, 3), round(nu_q / nu, 3)
     (1.01, 7.124)
-    >>> compute_epsilon([(nu, 64 / 1437, 690)], delta=1e-5) <= 3.0  # history: (nu, q, steps) segments
+    >>> compute_epsilon([(nu, 64 / 1257, 600)], delta=1e-5) <= 3.0  # history: (nu, q, steps) segments
     True
 
     In training, the callback does this itself from the trainer's plan:

@@ -15,7 +15,8 @@ from arithmetic on seed integers (two seeds ``s + 1`` and ``s * 1000003 + 1`` ca
   of the same run (a resume from a checkpoint, after a crash or not, and a second ``fit``), so that a resume never
   replays randomness already used: not in mid-epoch, not after a crash, not in two branches from one checkpoint.
   (``deterministic_resume=True`` on the DP callbacks keeps it at 0: a resumed run then repeats, bit for bit, the
-  uninterrupted one, and two branches from one checkpoint draw the *same* noise: see the README.)
+  uninterrupted one, and two branches from one checkpoint draw the *same* noise: see the user guide,
+  docs/guide/resumes.md.)
 
 Runs of a search get their own root each (spawned children of the search's), so that two runs composed as
 independent never share a stream, even when the user passes the same seed to each: the runs sharing one ledger

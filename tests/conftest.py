@@ -11,7 +11,7 @@ from lightning_oso import OSODP
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Every test runs on one intra-op thread, whatever the test before it left: the examples' ``main`` sets
-    ``torch.set_num_threads`` for their command-line users (2 on a 2-core machine, and never puts it back), and the
+    ``torch.set_num_threads`` for their command-line users (up to 4, and never puts it back), and the
     tests' tiny models then ran every later test with threads fighting for the cores (several times slower under
     load). One thread is also what the tests' small tensors run fastest on."""
     torch.set_num_threads(1)

@@ -104,8 +104,8 @@ def test_instance_norm_with_running_stats_is_refused(fit_toy):
 
 
 def test_accumulate_grad_batches_trains_one_logical_batch_per_step(fit_toy):
-    """Refused before issue 14; now k micro-batches make one optimizer step at q = k b / N (tests/test_accumulation.py
-    has the rest)."""
+    """Supported, not refused: k micro-batches make one optimizer step at q = k b / N (tests/test_accumulation.py has
+    the rest)."""
     trainer = fit_toy(accumulate_grad_batches=2)
     dp = trainer.callbacks[0]
     assert dp.sample_rate == pytest.approx(2 * 20 / 200)

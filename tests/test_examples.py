@@ -1,4 +1,4 @@
-"""The examples run end to end at their smallest settings and write what the README promises."""
+"""The examples run end to end at their smallest settings and write what the documentation promises."""
 
 import json
 import math
@@ -23,8 +23,8 @@ from lightning_oso import compute_epsilon
 
 @pytest.fixture(autouse=True)
 def _examples_keep_one_thread(monkeypatch):
-    """The examples' ``main`` picks a thread count for its command-line users (``torch.set_num_threads(2)`` on a
-    2-core machine); here their tiny models ran 2-4x slower with the threads fighting the test process for the cores.
+    """The examples' ``main`` picks a thread count for its command-line users (``torch.set_num_threads``, up to 4);
+    here their tiny models ran 2-4x slower with the threads fighting the test process for the cores.
     What the tests check (budgets, files, step counts) does not depend on the thread count, so they keep one."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
 

@@ -1,4 +1,4 @@
-"""Odd inputs (issue 5's hardening matrix, first part): each gets a clear error before harm, or a tested behaviour."""
+"""Odd inputs: each gets a clear error before harm, or a tested behaviour."""
 
 from typing import ClassVar
 
@@ -27,8 +27,9 @@ class SharedAcrossLayers(ToyModel):
 
 
 def test_parameter_shared_by_two_layers():
-    """Both paths add the layers' per-sample gradients up (the fast path used to refuse it; issue 14): the consistency
-    check (tests/test_checks.py) confirms they match autograd's, and both paths train to the same parameters."""
+    """Both paths add the layers' per-sample gradients up (a tied parameter's per-sample gradient is the sum of its
+    uses'): the consistency check (tests/test_checks.py) confirms they match autograd's, and both paths train to the
+    same parameters."""
     trained = []
     for mode in ("book_keeping", "hooks"):
         torch.manual_seed(0)

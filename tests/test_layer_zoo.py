@@ -580,7 +580,7 @@ class _Classifier(L.LightningModule):
 
 
 USER_REPORTS = {
-    # the two examples, and a sparse embedding
+    # a reflect-padded convolution, string padding, and a sparse embedding
     "conv2d-reflect": (
         lambda: nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(64, 2)),
         lambda g: torch.randn(64, 1, 4, 4, generator=g),

@@ -1,4 +1,4 @@
-"""Mixed and reduced precision, and torch.compile (issue 14, items 1 and 6): every precision Lightning accepts on CPU
+"""Mixed and reduced precision, and torch.compile: every precision Lightning accepts on CPU
 trains on both gradient paths with norms, sums and noise in float32 or better; the consistency checks still refuse
 what they exist for in a 16-bit run; a crafted record in bfloat16 moves the clipped sum by at most C; a loss scaler
 and a fullgraph compile are refused with the reason, before any data is touched; a compiled model trains as the

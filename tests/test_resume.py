@@ -163,7 +163,7 @@ def test_two_branches_from_one_checkpoint(tmp_path, deterministic, ledger):
     With the ledger, the second branch is charged the first's steps too, and its step counter (which keys its
     streams) starts after them, so the branches' noise is independent even with deterministic_resume. Without a
     ledger, the default's nonce from the OS still makes it independent; only deterministic_resume without a ledger
-    repeats the noise exactly: the risk the README states."""
+    repeats the noise exactly: the risk the user guide states (docs/guide/resumes.md)."""
     kwargs = {"deterministic_resume": deterministic, "ledger_path": None if ledger else False}
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     dp = FixedThresholdDP(target_epsilon=50.0, target_delta=1e-4, noise_multiplier=1.0, clip=1.0, seed=11, **kwargs)

@@ -103,10 +103,11 @@ def _charge(q, steps, score=lambda hparams: -abs(hparams["lr"] - 0.5)):
     return train
 
 
-def test_the_readme_grid_with_five_seeds_meets_its_budget_over_every_run():
-    """The README's grid: 25 candidates x 5 seeds x 200 steps at q = 64/1257, epsilon 3. Calibrating for one seed's
-    pass (the paper's protocol) would spend 7.62 over all 125 runs; the search calibrates for all of them, and an
-    independent accountant (Microsoft's prv-accountant) run over the 25,000 steps agrees with its report."""
+def test_the_guide_grid_with_five_seeds_meets_its_budget_over_every_run():
+    """The user guide's grid (docs/guide/searches.md): 25 candidates x 5 seeds x 200 steps at q = 64/1257, epsilon 3.
+    Calibrating for one seed's pass (the paper's protocol) would spend 7.62 over all 125 runs; the search calibrates
+    for all of them, and an independent accountant (Microsoft's prv-accountant) run over the 25,000 steps agrees with
+    its report."""
     from prv_accountant import PoissonSubsampledGaussianMechanism
     from prv_accountant import PRVAccountant as MicrosoftPRV
 

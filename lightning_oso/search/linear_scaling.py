@@ -257,8 +257,9 @@ class LinearScalingSearch(PrivateSearch):
             the budget, or (``"noisy"``) when ``train_fn`` returns a score that is not one value per record.
 
     Example:
-        With Lightning, ``train_fn`` fits one model (see the README); here a stand-in charges the steps such a run
-        would, and each of its 1,000 records scores a run by how close its ``r`` is to ``40 * eps`` of the run:
+        With Lightning, ``train_fn`` fits one model (see docs/guide/searches.md); here a stand-in charges the steps
+        such a run would, and each of its 1,000 records scores a run by how close its ``r`` is to ``40 * eps`` of the
+        run:
 
         >>> import math, torch
         >>> from lightning_oso import compute_epsilon
