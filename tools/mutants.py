@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown mutant(s): {sorted(set(args.only) - set(names))}")
     if args.list:
         for m in mutants:
-            print(f"{m.name:34} {m.path}: {m.what}")
+            print(f"{m.name:46} {m.path}: {m.what}")
         return 0
     start = time.monotonic()
     if not args.no_baseline:
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             bad = outcome.status in ("survived", "stale")
             failures += bad
             mark = "FAIL" if bad else "ok  "
-            print(f"{mark} {outcome.status:8} {outcome.mutant.name:34} {outcome.seconds:5.0f} s  {outcome.detail}")
+            print(f"{mark} {outcome.status:8} {outcome.mutant.name:46} {outcome.seconds:5.0f} s  {outcome.detail}")
             sys.stdout.flush()
     print(f"{len(mutants) - failures} of {len(mutants)} mutants killed in {time.monotonic() - start:.0f} s")
     if failures:
