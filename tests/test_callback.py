@@ -97,14 +97,23 @@ def test_empty_batches_train_conv_norm_and_embedding_layers_on_both_paths(grad_s
             h = torch.relu(self.norm(self.conv(self.embed(tokens).transpose(1, 2))))
             return self.head(h.flatten(1))
 
+    class Released(ToyModel):
+        def on_before_optimizer_step(self, optimizer):
+            self.released.append(torch.cat([p.grad.detach().double().flatten() for p in self.parameters()]))
+
     dp = FixedThresholdDP(clip=1.0, target_epsilon=20.0, target_delta=1e-3, grad_sample_mode=grad_sample_mode, seed=0)
-    model = ToyModel(net=Mixed())
-    before = [p.detach().clone() for p in model.parameters()]
+    model = Released(net=Mixed())
+    model.released = []
     make_trainer([dp], max_epochs=2).fit(model, toy_loader(n=30, batch_size=1))
-    assert 0 in model.batch_sizes and dp.steps == 60
-    after = list(model.parameters())
-    assert all(torch.isfinite(p).all() for p in after)
-    assert all(not torch.equal(a, b) for a, b in zip(after, before))  # every parameter got its noise
+    assert 0 in model.batch_sizes and dp.steps == 60 == len(model.released)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # an empty step releases the noise alone over B = qN = 1, on every parameter: std C nu, mean 0
+    empty = torch.stack([g for g, size in zip(model.released, model.batch_sizes) if size == 0])
+    assert empty.shape[0] >= 10  # e^-1 of the 60 steps are empty
+    expected, n = 1.0 * dp.noise_multiplier, empty.numel()
+    assert empty.std().item() == pytest.approx(expected, rel=5 / (2 * n) ** 0.5)
+    assert abs(empty.mean().item()) < 5 * expected / n**0.5
+    assert bool((empty != 0).all(dim=0).all())  # every coordinate of every parameter noised at every empty step
 
 
 def test_budget_stop_with_fixed_noise_multiplier():
@@ -154,11 +163,18 @@ def test_user_hooks_and_optimizer_see_only_sanitised_gradients(grad_sample_mode)
 
 
 def test_unused_parameter_is_noised(fit_toy):
+    """A parameter no forward uses still gets the step's noise (whether a parameter is used may depend on the data):
+    plain SGD at lr 0.5 moves it by 10 steps of noise of std C nu / B each."""
     model = ToyModel()
-    model.unused = nn.Linear(3, 3)
-    before = model.unused.weight.detach().clone()
-    fit_toy(model, OSODP(target_epsilon=5.0, target_delta=1e-4), max_epochs=1)
-    assert not torch.equal(before, model.unused.weight.detach())
+    model.unused = nn.Linear(200, 200)
+    before = torch.cat([p.detach().flatten() for p in model.unused.parameters()])
+    dp = FixedThresholdDP(clip=2.0, target_epsilon=5.0, target_delta=1e-4)
+    fit_toy(model, dp, max_epochs=1)
+    moved = torch.cat([p.detach().flatten() for p in model.unused.parameters()]) - before
+    assert dp.steps == 10
+    expected, n = 0.5 * 2.0 * dp.noise_multiplier / 20 * 10**0.5, moved.numel()
+    assert moved.std().item() == pytest.approx(expected, rel=5 / (2 * n) ** 0.5)
+    assert abs(moved.mean().item()) < 5 * expected / n**0.5
 
 
 def test_model_is_left_unchanged_after_fit(fit_toy):

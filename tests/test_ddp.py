@@ -4,8 +4,10 @@ Each test starts the worker script, which Lightning relaunches for rank 1; the p
 and the tests compare the processes with each other and with a single-process run of the same settings.
 """
 
+import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,11 @@ import torch
 from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
-from lightning_oso import OSODP, DPDDPStrategy, FixedThresholdDP, compute_epsilon
+from lightning_oso import OSODP, DPDDPStrategy, FixedThresholdDP, compute_epsilon, step
+from lightning_oso.clipping import FixedThresholdClipping
+from lightning_oso.per_sample import TensorSource
+from lightning_oso.randomness import RunRandomness
+from lightning_oso.strategies import PrivateTraining
 from lightning_oso.validation import PrivacyConfigurationError
 
 WORKER = Path(__file__).parent / "ddp_worker.py"
@@ -129,6 +135,97 @@ def test_non_finite_gradient_on_one_process_stops_no_process(tmp_path):
     _same_on_every_process(ranks, ["clip", "lr", "steps", "epsilon"])
     assert ranks[0]["steps"] == 10
     assert all(torch.isfinite(p).all() for p in ranks[0]["params"])
+
+
+class _World:
+    """Processes simulated as threads of one test: ``torch.distributed.all_reduce`` replaced by a sum over the
+    threads (in rank order, so every process gets the same bits), everything else the private step's own code."""
+
+    def __init__(self, size):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=120)
+        self.slots = [None] * size
+        self.local = threading.local()
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.slots[self.local.rank] = tensor.clone()
+        self.barrier.wait()
+        total = self.slots[0].clone()
+        for other in self.slots[1:]:
+            total += other
+        self.barrier.wait()
+        tensor.copy_(total)
+
+    def run(self, process):
+        results, errors = [None] * self.size, []
+
+        def target(rank):
+            self.local.rank = rank
+            try:
+                results[rank] = process(rank)
+            except BaseException as err:  # re-raised in the test's thread
+                errors.append(err)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(rank,)) for rank in range(self.size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+class _Process(PrivateTraining):
+    """One process of a DDP world: the strategy's private step (``privatise``) with its rank and world size."""
+
+    def __init__(self, rank, world_size, randomness, rule, expected_batch_size):
+        self._init_privacy()
+        self.global_rank, self.world_size, self.root_device = rank, world_size, torch.device("cpu")
+        self.randomness, self.rule, self.expected_batch_size = randomness, rule, expected_batch_size
+
+
+@pytest.mark.parametrize("secure_rng", [False, True])
+def test_two_processes_add_the_noise_once_to_the_sum_of_their_clipped_sums(monkeypatch, secure_rng):
+    """Two processes, each with its own records, run one private step: both end with the same gradient, and that
+    gradient times ``B`` is the sum of the two processes' clipped sums plus noise of std ``C nu`` (one draw, on the
+    grid of that std), whether the noise comes from the step's keyed stream (every process draws the same integers)
+    or from the operating system (rank 0 draws, the others add zeros). Noise added by each process would have std
+    ``sqrt(2) C nu``; noise drawn per process from its own stream would leave the processes apart. The slow
+    ``test_noise_is_added_once_globally`` checks the same through Lightning's DDP."""
+    world = _World(2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", world.all_reduce)
+    nu, clip, expected_batch_size, shapes = 1.7, 0.6, 16.0, [(300, 200), (40_000,)]
+    records = []
+    for rank in range(2):
+        g = torch.Generator().manual_seed(10 + rank)
+        records.append([torch.randn(5, *shape, generator=g, dtype=torch.float64) * 0.003 for shape in shapes])
+
+    def process(rank):
+        rule = FixedThresholdClipping(noise_multiplier=nu, clip=clip)
+        randomness = RunRandomness(secure=True) if secure_rng else RunRandomness(3)
+        strategy = _Process(rank, 2, randomness, rule, expected_batch_size)
+        params = [nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in shapes]
+        strategy._clipped = step.clip_and_sum(TensorSource(records[rank]), rule)
+        strategy.privatise(torch.optim.SGD(params, lr=1.0))
+        return torch.cat([p.grad.flatten() for p in params])
+
+    first, second = world.run(process)
+    assert torch.equal(first, second)  # one release, the same on every process
+    noiseless = torch.zeros_like(first)
+    for rank in range(2):
+        for g in torch.cat([r.flatten(1) for r in records[rank]], dim=1):
+            noiseless += g * min(1.0, clip / g.norm().item())
+    assert noiseless.norm() > 2 * clip  # every record clipped (norm ~0.95), from both processes
+    total = first * expected_batch_size  # exact: B is a power of two
+    n = total.numel()
+    widened = clip * nu / (1 - nu * math.sqrt(n) * 2.0**-30)
+    gamma = 2.0 ** (math.frexp(widened)[1] - 31)
+    assert torch.equal(total / gamma, (total / gamma).round())  # on the grid of one noise of std C nu
+    noise = total - noiseless
+    assert noise.std().item() == pytest.approx(widened, rel=5 / math.sqrt(2 * n))
+    assert abs(noise.mean().item()) < 5 * widened / math.sqrt(n)
 
 
 def test_wrapper_arguments_and_plain_ddp_are_refused():

@@ -4,6 +4,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from accounting_oracles import gdp_epsilon
 from helpers import ToyModel, make_trainer, toy_data, toy_loader
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
@@ -120,8 +121,13 @@ def test_loader_with_its_own_batch_sampler_and_a_dataset_smaller_than_the_batch(
     small = OSODP(target_epsilon=3.0, target_delta=1e-3, noise_multiplier=4.0)
     make_trainer([small], max_epochs=2).fit(ToyModel(), DataLoader(toy_data(n=10), batch_size=32))
     assert small.sample_rate == 1.0 and small.steps == 2
-    # at q = 1 there is no amplification: the two steps are a plain Gaussian composition (mu-GDP, mu = sqrt(2) / 4)
-    assert small.epsilon > 0.3
+    # at q = 1 there is no amplification: the two steps are a plain Gaussian composition (mu-GDP, mu = sqrt(2) / 4),
+    # whose exact epsilon at delta = 1e-3 is 0.894 (plus the exact release's floating-point term, below 1e-9 here);
+    # a rate wrongly below 1 would be charged less
+    exact = gdp_epsilon(2**0.5 / 4, 1e-3)
+    assert exact == pytest.approx(0.894, abs=5e-4)
+    assert small.epsilon == pytest.approx(exact, rel=1e-6)
+    assert small.epsilon >= exact
 
 
 def test_empty_dataset_is_refused_with_its_reason():

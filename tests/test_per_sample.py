@@ -180,30 +180,44 @@ def test_bad_grad_sample_mode_is_refused():
         OSODP(target_epsilon=1.0, grad_sample_mode="ghost")
 
 
-@pytest.mark.slow
 def test_sensitivity_on_neighbouring_batches():
     """Removing one sample moves the fast path's clipped sum by at most C and its direction sum by at most 1
-    (docs/algorithms.md, "OSO-DPSGD"): the bound the noise is calibrated to."""
+    (docs/algorithms.md, "OSO-DPSGD"): the bound the noise is calibrated to. The sums are the released ones (the
+    split columns made into OSO's two sums, ``C_t`` times the clipped records' directions added to the records left
+    whole), checked against eq. 4 and eq. 11 on the per-sample gradients computed one record at a time; removing a
+    clipped record moves them by exactly ``C`` and 1, an unclipped one by its norm and 0."""
     from lightning_oso.clipping import OSOClipping
 
     torch.manual_seed(0)
     model = Mixed()
     tokens, image, y = _batch(8)
+    clip = 3.5  # the records' norms are 3.1 to 4.5
     params = [p for p in model.parameters() if p.requires_grad]
-    rule = OSOClipping(noise_multiplier=1.0, initial_clip=0.3)
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=clip)
 
     def sums(keep):
         bk = BookKeeping(model, loss_reduction="sum")
         nn.functional.cross_entropy(model(tokens[keep], image[keep]), y[keep], reduction="sum").backward()
-        out = bk.weighted_sums(params, rule.weights(bk.norms()).float())
+        out = rule.queries(bk.weighted_sums(params, rule.weights(bk.norms()).float()))
         bk.remove()
-        return out
+        model.zero_grad()
+        return [torch.cat([s[k].flatten() for s in out]).double() for k in (0, 1)]
 
+    _, reference = _reference(model, tokens, image, y)
+    model.zero_grad()
+    flat = torch.cat([r.flatten(1) for r in reference], dim=1).double()
+    norms = flat.norm(dim=1)
+    clipped = norms > clip
+    assert 0 < int(clipped.sum()) < 8  # records on both sides of C
     full = sums(torch.arange(8))
+    torch.testing.assert_close(full[0], (flat * (clip / norms).clamp(max=1)[:, None]).sum(0), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(full[1], (flat / norms[:, None])[clipped].sum(0), rtol=1e-4, atol=1e-6)
     for j in range(8):
         neighbour = sums(torch.tensor([i for i in range(8) if i != j]))
-        diff = [torch.cat([(a[k] - b[k]).flatten() for a, b in zip(full, neighbour)]).norm() for k in (0, 1)]
-        assert diff[0] <= 0.3 * (1 + 1e-5) and diff[1] <= 1 + 1e-5
+        moved = [(full[k] - neighbour[k]).norm().item() for k in (0, 1)]
+        assert moved[0] <= clip * (1 + 1e-5) and moved[1] <= 1 + 1e-5
+        expected = (clip, 1.0) if clipped[j] else (norms[j].item(), 0.0)
+        assert moved == [pytest.approx(expected[0], rel=1e-4), pytest.approx(expected[1], abs=1e-5)], j
 
 
 def test_autograd_weight_gradients_are_skipped_and_restored():

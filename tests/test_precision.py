@@ -276,10 +276,9 @@ def test_a_crafted_record_in_bfloat16_moves_the_clipped_sum_by_at_most_c(setting
     assert set(dtypes) == {torch.float32}
     moved = float((full - without).norm())
     assert moved <= clip * (1 + 1e-5), (moved, clip)
-    if mode == "hooks" or setting == "bf16-true":
-        return
-    # the bound is not vacuous: the record still contributes most of C
-    assert moved >= 0.5 * clip
+    # the bound is not vacuous, in every setting and on both paths: the clipped record still moves the sum by C, up
+    # to its norm bound's margin over its exact norm (5e-5 relative here)
+    assert moved >= 0.99 * clip, (moved, clip)
 
 
 @pytest.mark.parametrize("kind", ["linear", "embedding"])

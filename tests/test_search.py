@@ -244,13 +244,22 @@ def test_train_fn_gets_the_candidate_with_the_repeats_seed_and_the_callbacks_arg
         HonestGridSearch([{"lr": 0.1, "seed": 1}], train, 2.0, 1e-4, 0.1, STEPS)
 
 
-def test_random_stopping_theorem_and_its_inverse():
-    eps_1, delta_1 = random_stopping_run_budget(3.0, 1e-5, stop_probability=0.1, delta_2=1e-6)
-    eps_f, delta_f = random_stopping_guarantee(eps_1, delta_1, 0.1, 1e-6)
-    assert eps_f == pytest.approx(3.0) and delta_f == pytest.approx(1e-5)
-    upsilon = math.log(1e6) / 0.1
-    assert delta_1 == pytest.approx(((1e-5 - 1e-6) / upsilon) ** 2 / 2)
-    assert eps_1 < 1.0  # the per-run epsilon is a third of the total, at a far smaller delta
+def test_random_stopping_run_budget_meets_liu_and_talwars_closed_form():
+    """Theorem 3.4 of Liu and Talwar (Theorem 1 of Mohapatra et al.), written out here: runs that are
+    ``(eps_1, delta_1)``-DP make the search ``(3 eps_1 + 3 sqrt(2 delta_1), sqrt(2 delta_1) Upsilon + delta_2)``-DP
+    with ``Upsilon = log(1 / delta_2) / gamma``. The per-run budget must meet the target through that formula (not
+    through the package's own inverse), with all of delta_f spent, and the package's guarantee is the same formula."""
+    for target, delta_f, gamma, delta_2 in [(3.0, 1e-5, 0.1, 1e-6), (1.0, 1e-6, 0.5, 1e-8), (8.0, 1e-4, 0.02, 1e-5)]:
+        eps_1, delta_1 = random_stopping_run_budget(target, delta_f, stop_probability=gamma, delta_2=delta_2)
+        upsilon = math.log(1 / delta_2) / gamma
+        assert 3 * eps_1 + 3 * math.sqrt(2 * delta_1) == pytest.approx(target, rel=1e-12)
+        assert math.sqrt(2 * delta_1) * upsilon + delta_2 == pytest.approx(delta_f, rel=1e-12)
+        assert 0 < eps_1 < target / 3 and delta_1 < (delta_f / upsilon) ** 2  # the blow-up
+        eps_f, delta_guarantee = random_stopping_guarantee(eps_1, delta_1, gamma, delta_2)
+        assert (eps_f, delta_guarantee) == (
+            pytest.approx(3 * eps_1 + 3 * math.sqrt(2 * delta_1), rel=1e-15),
+            pytest.approx(math.sqrt(2 * delta_1) * upsilon + delta_2, rel=1e-15),
+        )
     with pytest.raises(ValueError):
         random_stopping_run_budget(1e-9, 1e-5, 0.1, 1e-6)
 

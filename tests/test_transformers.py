@@ -10,6 +10,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 from helpers import make_trainer
+from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -166,6 +167,8 @@ def test_t5_with_its_relative_position_bias_frozen():
 
 
 class HFModule(L.LightningModule):
+    first: dict | None = None
+
     def __init__(self, name, explicit_positions=False):
         super().__init__()
         self.name, self.explicit_positions = name, explicit_positions
@@ -222,11 +225,27 @@ def test_padded_tokens_are_reduced_per_record():
 )
 def test_trains_with_the_default_osodp(name, mode):
     """Through the public API: the default OSODP (its consistency checks included) trains both models, on both
-    gradient paths; the parameters move and epsilon stays within the target. Opacus' hooks need the position ids
-    passed per record (the fast path looks the shared ones up per record itself)."""
+    gradient paths, and epsilon stays within the target. The first step's released gradient is checked against its
+    batch's per-record gradients, computed one record at a time from the same weights: times ``B``, it is their
+    clipped sum at ``C_0`` plus noise of std ``C_0 nu_g`` per coordinate, with nothing more of any record along the
+    records' gradients (a chi-square over their span). Opacus' hooks need the position ids passed per record (the
+    fast path looks the shared ones up per record itself)."""
     torch.manual_seed(0)
-    module = HFModule(name, explicit_positions=mode == "hooks")
-    before = [p.detach().clone() for p in module.parameters()]
+
+    class FirstStep(HFModule):
+        """Keeps the first step's batch, the weights it saw, and the gradient the optimizer got."""
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.first is None:
+                self.first = {"batch": {k: v.clone() for k, v in batch.items()}}
+                self.first["weights"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+        def on_before_optimizer_step(self, optimizer):
+            if "released" not in self.first:
+                self.first["released"] = [p.grad.detach().double().clone() for p in self.model.parameters()]
+
+    module = FirstStep(name, explicit_positions=mode == "hooks")
+    module.first = None
     dp = OSODP(target_epsilon=8.0, target_delta=1e-5, seed=0, grad_sample_mode=mode)
     trainer = make_trainer([dp], max_epochs=1, limit_train_batches=3)
     with warnings.catch_warnings():
@@ -236,5 +255,19 @@ def test_trains_with_the_default_osodp(name, mode):
         warnings.filterwarnings("ignore", message=f".*({ignored}).*")
         trainer.fit(module, DataLoader(Texts(64), batch_size=16))
     assert trainer.global_step == 3 and all(map(lambda v: v == v, module.losses))
-    assert any(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
     assert 0 < dp.epsilon <= 8.0
+
+    model = gpt2() if name == "gpt2" else bert()
+    model.load_state_dict(module.first["weights"])
+    model.train()
+    _, per_record = _one_record_at_a_time(model, _gpt2_loss if name == "gpt2" else _bert_loss, module.first["batch"])
+    records = torch.cat([g.double().flatten(1) for g in per_record], dim=1)  # [n, d]
+    assert records.shape[0] > 0 and bool((records.norm(dim=1) > 0.1).all())  # every record clipped at C_0 = 0.1
+    clipped_sum = (records * (0.1 / records.norm(dim=1)).clamp(max=1)[:, None]).sum(0)
+    noise = torch.cat([g.flatten() for g in module.first["released"]]) * 16.0 - clipped_sum  # B = qN = 16
+    std, d = 0.1 * dp.gradient_noise_multiplier, noise.numel()
+    assert noise.std().item() == pytest.approx(std, rel=5 / (2 * d) ** 0.5)
+    assert abs(noise.mean().item()) < 5 * std / d**0.5
+    basis, _ = torch.linalg.qr(records.t())
+    along = float((basis.t() @ noise).square().sum()) / std**2
+    assert along < stats.chi2.isf(1e-6, records.shape[0]), along

@@ -1,0 +1,409 @@
+"""The privacy mutation check: small bugs in privacy-critical lines, each of which some test must catch.
+
+Each mutant is one textual edit (``old`` -> ``new``) of one line of one file of ``lightning_oso``: no clipping, a
+noise dropped or doubled, a ledger write skipped, and so on. The script applies each to a fresh copy of the checkout
+(never to the working tree), runs the tests the mutant names there, and records whether they fail (the mutant is
+*killed*) or pass (it *survived*: the tests would not notice that bug). It exits non-zero if any mutant survives, if
+an ``old`` string is not found exactly once (the code moved on and the mutant must follow it, so the check cannot go
+stale silently), or if the named tests fail on the unmutated copy (a mutant killed by a broken test proves nothing).
+
+Usage: ``python tools/mutants.py [--jobs 2] [--only NAME ...] [--list]`` (``make mutants``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What a copy needs to run the tests: the package, the tests, the examples and benchmarks some tests import, and the
+#: pytest configuration.
+COPIED = ("lightning_oso", "tests", "examples", "benchmarks", "pyproject.toml")
+#: Seconds one mutant's tests may run; a mutant that makes them hang counts as killed (the hang is noticed).
+TIMEOUT = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids or files, relative to the repository root
+    what: str  # the bug, in words
+
+
+RELEASE = "tests/test_release_noise.py"
+
+MUTANTS = (
+    Mutant(
+        "no_clipping",
+        "lightning_oso/step.py",
+        "return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)",
+        "return torch.ones_like(norms).unsqueeze(1)",
+        (
+            f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g",
+            "tests/test_methods.py::test_fixed_threshold_sum_matches_brute_force",
+        ),
+        "every record's gradient summed whole: the sensitivity is unbounded",
+    ),
+    Mutant(
+        "oso_clipped_sum_without_c_t",
+        "lightning_oso/step.py",
+        "s[0].addcmul_(s[1], scales[s.dtype])",
+        "s[0].add_(s[1])",
+        (
+            f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[oso]",
+            "tests/test_per_sample.py::test_sensitivity_on_neighbouring_batches",
+            "tests/test_step.py::test_clipped_and_direction_sums_match_brute_force",
+        ),
+        "OSO's clipped sum adds the clipped records' unit directions without the factor C_t",
+    ),
+    Mutant(
+        "division_by_actual_batch_size",
+        "lightning_oso/step.py",
+        "released = average(noisy, expected_batch_size)",
+        "released = average(noisy, clipped.size)",
+        (
+            f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[fixed]",
+            "tests/test_step.py::test_division_by_expected_not_actual_batch_size",
+        ),
+        "the gradient divided by the (private) actual batch size instead of B = qN",
+    ),
+    Mutant(
+        "gradient_noise_dropped",
+        "lightning_oso/step.py",
+        "noisy = add_noise([s[:vectors] for s in sums], torch.stack(row_stds[:vectors])) if vectors else []",
+        "noisy = [s[:vectors].clone() for s in sums]",
+        (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[fixed]",),
+        "the clipped sums released without noise",
+    ),
+    Mutant(
+        "gradient_noise_doubled",
+        "lightning_oso/step.py",
+        "row_stds = [exact_noise.grid_noise_std(stds[k], multipliers[k], coordinates) for k in range(len(stds))]",
+        "row_stds = [2 * exact_noise.grid_noise_std(stds[k], multipliers[k], coordinates) for k in range(len(stds))]",
+        (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[fixed]",),
+        "every vector query's noise twice its standard deviation (utility lost, and the grid no longer the priced one)",
+    ),
+    Mutant(
+        "oso_gradient_noise_without_c_t",
+        "lightning_oso/clipping.py",
+        "return torch.stack([self.clip * self.gradient_noise_multiplier, direction])",
+        "return torch.stack([torch.full_like(self.clip, self.gradient_noise_multiplier), direction])",
+        (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[oso]",),
+        "OSO's gradient noise of std nu_g instead of C_t nu_g: mis-scaled whenever C_t != 1",
+    ),
+    Mutant(
+        "quantile_gradient_noise_of_nu",
+        "lightning_oso/clipping.py",
+        "return (self.clip * self.gradient_noise_multiplier).reshape(1)",
+        "return (self.clip * self.noise_multiplier).reshape(1)",
+        (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[quantile]",),
+        "the quantile rule's gradient noised at nu, not at its share nu_g > nu: the pair costs more than nu",
+    ),
+    Mutant(
+        "ledger_write_skipped",
+        "lightning_oso/accounting/ledger.py",
+        "self.file.record_step(self.accountant.steps + 1, noise_multiplier, sample_rate)",
+        "pass",
+        ("tests/test_resume.py::test_the_ledger_holds_counts_and_mechanism_parameters_only",),
+        "a released step not written ahead to the ledger: a crash after it would leave it uncharged",
+    ),
+    Mutant(
+        "calibrated_for_t_minus_1_steps",
+        "lightning_oso/planning.py",
+        "max(1, int(remaining_steps)),",
+        "max(1, int(remaining_steps) - 1),",
+        ("tests/test_methods.py::test_fixed_threshold_with_adam_is_dpadam",),
+        "the noise calibrated for one step fewer than the trainer plans",
+    ),
+    Mutant(
+        "late_budget_stop",
+        "lightning_oso/callbacks/base.py",
+        "return self.max_steps is None or self.accountant.steps >= self.max_steps",
+        "return self.max_steps is None or self.accountant.steps > self.max_steps",
+        ("tests/test_callback.py::test_budget_stop_with_fixed_noise_multiplier",),
+        "training stops one step after the budget is spent",
+    ),
+    Mutant(
+        "oso_clip_sign_flipped",
+        "lightning_oso/clipping.py",
+        "self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)",
+        "self.clip = self.clip * torch.exp(-self.clip_lr * clip_sign)",
+        (
+            "tests/test_step.py::test_oso_update_rule_signs",
+            "tests/test_methods.py::test_oso_with_momentum_replays_from_sanitised_values",
+        ),
+        "C_t moves against the hypergradient's sign (eq. 20)",
+    ),
+    Mutant(
+        "direction_noise_of_nu",
+        "lightning_oso/clipping.py",
+        "direction = torch.full_like(self.clip, self.direction_noise_multiplier)",
+        "direction = torch.full_like(self.clip, self.noise_multiplier)",
+        (
+            f"{RELEASE}::test_the_direction_query_is_read_with_noise_of_std_nu_q_along_the_vector",
+            f"{RELEASE}::test_the_materialised_direction_query_has_noise_of_std_nu_q_per_coordinate",
+        ),
+        "OSO's direction query noised at nu instead of nu_q = 7.124 nu: the split no longer holds",
+    ),
+    Mutant(
+        "deferred_direction_unscaled",
+        "lightning_oso/step.py",
+        "return torch.where(norm > 0, norm * released, torch.zeros_like(norm)) / self._expected_batch_size",
+        "return torch.where(norm > 0, released, torch.zeros_like(norm)) / self._expected_batch_size",
+        (f"{RELEASE}::test_the_direction_query_is_read_with_noise_of_std_nu_q_along_the_vector",),
+        "the deferred inner product v . q~ missing its factor ||v||",
+    ),
+    Mutant(
+        "deferred_direction_noise_dropped",
+        "lightning_oso/step.py",
+        "released = exact_noise.on_grid(projection, exact_noise.grid_exponent(self._scalar_std)) + self._noise",
+        "released = exact_noise.on_grid(projection, exact_noise.grid_exponent(self._scalar_std))",
+        (f"{RELEASE}::test_the_direction_query_is_read_with_noise_of_std_nu_q_along_the_vector",),
+        "the deferred direction query read without its scalar noise",
+    ),
+    Mutant(
+        "grid_inflation_without_sqrt_d",
+        "lightning_oso/exact_noise.py",
+        "inflation = multiplier * math.sqrt(coordinates) * 2.0**-GRID_BITS",
+        "inflation = multiplier * 2.0**-GRID_BITS",
+        ("tests/test_exact_release.py::test_grid_noise_keeps_the_accountants_multiplier",),
+        "the noise widened for one coordinate's rounding, not for the sqrt(d) the grid adds to the sensitivity",
+    ),
+    Mutant(
+        "charged_at_nu_g",
+        "lightning_oso/callbacks/base.py",
+        "self._step_noise_multiplier = self._active_rule.noise_multiplier",
+        "self._step_noise_multiplier = self._active_rule.gradient_noise_multiplier",
+        ("tests/test_resume.py::test_the_ledger_holds_counts_and_mechanism_parameters_only",),
+        "each step charged at the gradient's multiplier nu_g > nu: the direction query goes unpaid",
+    ),
+    Mutant(
+        "non_finite_record_not_zeroed",
+        "lightning_oso/per_sample/parts.py",
+        "return torch.where(weighted.reshape(shape), x, 0)",
+        "return x",
+        ("tests/test_nonfinite.py::test_a_non_finite_record_adds_nothing_to_the_sums",),
+        "a record with a NaN or inf gradient multiplied by its weight 0 (NaN) instead of left out",
+    ),
+    Mutant(
+        "noise_on_every_rank",
+        "lightning_oso/strategies/private_training.py",
+        "return self.global_rank == 0",
+        "return True",
+        ("tests/test_ddp.py::test_two_processes_add_the_noise_once_to_the_sum_of_their_clipped_sums",),
+        "with secure_rng, every process adds its own noise to the sum across processes",
+    ),
+    Mutant(
+        "noise_stream_per_rank",
+        "lightning_oso/strategies/private_training.py",
+        "self.executed_steps, rank=0, device=self.root_device)",
+        "self.executed_steps, rank=self.global_rank, device=self.root_device)",
+        ("tests/test_ddp.py::test_two_processes_add_the_noise_once_to_the_sum_of_their_clipped_sums",),
+        "each process draws its own noise for the one release: the processes' models differ, and together reveal more",
+    ),
+    Mutant(
+        "constant_noise_key",
+        "lightning_oso/strategies/private_training.py",
+        "generator = self.randomness.generator(NOISE, self.executed_steps, rank=0, device=self.root_device)",
+        "generator = self.randomness.generator(NOISE, 0, rank=0, device=self.root_device)",
+        ("tests/test_randomness.py::test_runs_sharing_a_ledger_never_share_noise_even_with_one_seed",),
+        "every step draws the same noise: the difference of two releases reveals the clipped sums",
+    ),
+    Mutant(
+        "sampler_at_one_and_a_half_q",
+        "lightning_oso/data.py",
+        "self.gaps = gap_law(self.sample_rate)",
+        "self.gaps = gap_law(min(1.0, 1.5 * self.sample_rate))",
+        (
+            "tests/test_sampler.py::test_sampler_batches_follow_the_bernoulli_law_on_small_index_sets",
+            "tests/test_randomness.py::test_secure_poisson_sampling_has_the_binomial_batch_sizes",
+        ),
+        "records sampled at 1.5 q while the accountant charges q",
+    ),
+    Mutant(
+        "quantile_count_unnoised",
+        "lightning_oso/step.py",
+        "noisy_scalars = add_noise(",
+        "noisy_scalars = (lambda sums, stds: [s.clone() for s in sums])(",
+        (f"{RELEASE}::test_the_quantile_count_is_released_with_noise_of_std_sigma_b",),
+        "the quantile rule's count released without noise",
+    ),
+    Mutant(
+        "quantile_count_noise_doubled",
+        "lightning_oso/clipping.py",
+        "return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)",
+        "return torch.full((1,), 2 * self.count_noise_std, dtype=torch.float64, device=self.clip.device)",
+        (f"{RELEASE}::test_the_quantile_count_is_released_with_noise_of_std_sigma_b",),
+        "the count's noise twice sigma_b",
+    ),
+    Mutant(
+        "quantile_count_not_centred",
+        "lightning_oso/step.py",
+        "count = (norms <= clip).to(norms.dtype) - 0.5",
+        "count = (norms <= clip).to(norms.dtype)",
+        (f"{RELEASE}::test_the_quantile_count_is_released_with_noise_of_std_sigma_b",),
+        "the raw 0/1 count (sensitivity 1) released with noise priced for the centred count (sensitivity 1/2)",
+    ),
+    Mutant(
+        "pur_noise_halved",
+        "lightning_oso/clipping.py",
+        "return (2.0 * self.clip * self.noise_multiplier).reshape(1)",
+        "return (self.clip * self.noise_multiplier).reshape(1)",
+        (f"{RELEASE}::test_pur_full_batch_sums_are_released_with_noise_of_n_sigma_t_at_each_step",),
+        "PURDP's sums noised for the add/remove sensitivity L while the multiplier is charged for replace-one 2L",
+    ),
+    Mutant(
+        "random_stopping_run_epsilon_halved_not_thirded",
+        "lightning_oso/search/selection.py",
+        "run_epsilon = (target_epsilon - 3 * math.sqrt(2 * run_delta)) / 3",
+        "run_epsilon = (target_epsilon - 3 * math.sqrt(2 * run_delta)) / 2",
+        ("tests/test_search.py::test_random_stopping_run_budget_meets_liu_and_talwars_closed_form",),
+        "random stopping's runs given half the target each: Theorem 3.4's factor 3 on epsilon dropped",
+    ),
+    Mutant(
+        "random_stopping_run_delta_squared_only",
+        "lightning_oso/search/selection.py",
+        "run_delta = ((target_delta - delta_2) / upsilon) ** 2 / 2",
+        "run_delta = ((target_delta - delta_2) / upsilon) ** 2",
+        ("tests/test_search.py::test_random_stopping_run_budget_meets_liu_and_talwars_closed_form",),
+        "random stopping's per-run delta twice what Theorem 3.4 allows",
+    ),
+)
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutant: Mutant
+    status: str  # "killed", "survived", "timeout" (counted as killed), "stale" (old string not found once)
+    seconds: float
+    detail: str
+
+
+def copy_checkout(into: Path) -> None:
+    """The working tree's package, tests and configuration (uncommitted edits included) into ``into``."""
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results"))
+        elif source.exists():
+            shutil.copy2(source, into / name)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """The named tests in ``copy``, whose ``lightning_oso`` is the one imported (``PYTHONPATH`` and the working
+    directory both point there); stop at the first failure."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
+    return subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def apply(mutant: Mutant, copy: Path) -> str | None:
+    """Edit the copy; the reason it cannot be edited, if it cannot."""
+    path = copy / mutant.path
+    if not path.exists():
+        return f"{mutant.path} does not exist"
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        return f"{mutant.old!r} occurs {count} times in {mutant.path}, not once"
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return None
+
+
+def failed_tests(output: str) -> str:
+    names = re.findall(r"^FAILED (\S+)", output, flags=re.MULTILINE)
+    if names:
+        return ", ".join(names)
+    errors = re.findall(r"^ERROR (\S+)", output, flags=re.MULTILINE)
+    return "error: " + ", ".join(errors) if errors else output.strip().splitlines()[-1] if output.strip() else ""
+
+
+def check(mutant: Mutant) -> Outcome:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        copy = Path(tmp)
+        copy_checkout(copy)
+        problem = apply(mutant, copy)
+        if problem is not None:
+            return Outcome(mutant, "stale", time.monotonic() - start, problem)
+        try:
+            result = run_tests(copy, mutant.tests)
+        except subprocess.TimeoutExpired:
+            return Outcome(mutant, "timeout", time.monotonic() - start, f"tests ran past {TIMEOUT} s")
+    status = "survived" if result.returncode == 0 else "killed"
+    detail = failed_tests(result.stdout + result.stderr) if status == "killed" else "the named tests passed"
+    if result.returncode not in (0, 1):  # pytest's 1 is "tests failed"; other codes: collection or usage errors
+        detail = f"pytest exit {result.returncode}: {failed_tests(result.stdout + result.stderr)}"
+    return Outcome(mutant, status, time.monotonic() - start, detail)
+
+
+def baseline(mutants: list[Mutant]) -> subprocess.CompletedProcess:
+    """Every named test on an unmutated copy: they must pass there, and the copy's package must be the one used."""
+    tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+    with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as tmp:
+        copy = Path(tmp)
+        copy_checkout(copy)
+        # a file only the copy has: the tests must import lightning_oso from the copy, or no mutant is seen at all
+        marker = "_MUTATION_COPY = True\n"
+        init = copy / "lightning_oso" / "__init__.py"
+        init.write_text(init.read_text() + marker)
+        probe = copy / "tests" / "test_zz_mutation_copy.py"
+        probe.write_text(
+            "import lightning_oso\n\n\ndef test_the_copy_is_imported():\n    assert lightning_oso._MUTATION_COPY\n"
+        )
+        return run_tests(copy, (*tests, "tests/test_zz_mutation_copy.py"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2, help="mutants checked at once (default 2)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="check only these mutants")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the named tests unmutated")
+    args = parser.parse_args(argv)
+    names = [m.name for m in MUTANTS]
+    if len(set(names)) != len(names):
+        raise SystemExit("two mutants share a name")
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(mutants) != len(set(args.only)):
+        raise SystemExit(f"unknown mutant(s): {sorted(set(args.only) - set(names))}")
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:46} {m.path}: {m.what}")
+        return 0
+    start = time.monotonic()
+    if not args.no_baseline:
+        result = baseline(mutants)
+        if result.returncode != 0:
+            print(result.stdout[-4000:] + result.stderr[-2000:])
+            print("the named tests fail without any mutant: fix them first")
+            return 1
+        print(f"baseline: the named tests pass unmutated ({time.monotonic() - start:.0f} s)", flush=True)
+    failures = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for outcome in pool.map(check, mutants):
+            bad = outcome.status in ("survived", "stale")
+            failures += bad
+            mark = "FAIL" if bad else "ok  "
+            print(f"{mark} {outcome.status:8} {outcome.mutant.name:46} {outcome.seconds:5.0f} s  {outcome.detail}")
+            sys.stdout.flush()
+    print(f"{len(mutants) - failures} of {len(mutants)} mutants killed in {time.monotonic() - start:.0f} s")
+    if failures:
+        print("a survivor is a bug the tests would miss: add the test that catches it; a stale mutant must be moved")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
