@@ -160,6 +160,46 @@ class TransformerEncoder(nn.Module):
         return self.head(self.ln(h).mean(dim=1))
 
 
+class TorchTransformer(nn.Module):
+    """The same sizes as :class:`TransformerEncoder` with torch's own layers: ``nn.TransformerEncoder`` of 2 pre-LN
+    ``nn.TransformerEncoderLayer`` blocks (``nn.MultiheadAttention``, 4 heads, d=128, FF 256, batch first), mean
+    pooling, linear head (Opacus computes no per-sample gradient for ``nn.MultiheadAttention``)."""
+
+    vocab, seq_len, d = 5000, 32, 128
+    input_shape, classes = (32,), 4
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(self.vocab, self.d)
+        self.positions = nn.Embedding(self.seq_len, self.d)
+        block = nn.TransformerEncoderLayer(self.d, 4, 2 * self.d, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.ln = nn.LayerNorm(self.d)
+        self.head = nn.Linear(self.d, self.classes)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device).expand_as(x).contiguous()
+        h = self.encoder(self.tokens(x) + self.positions(positions))
+        return self.head(self.ln(h).mean(dim=1))
+
+
+class LSTMLanguageModel(nn.Module):
+    """A word-level LSTM language model: token embedding (d=128), ``nn.LSTM`` (2 layers, 128 units, batch first),
+    a linear layer over a 5000-token vocabulary; sequences of 32 tokens, the next-token loss (Opacus computes no
+    per-sample gradient for ``nn.LSTM``; its own ``DPLSTM`` is another module)."""
+
+    vocab, seq_len, d = 5000, 32, 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(self.vocab, self.d)
+        self.lstm = nn.LSTM(self.d, self.d, num_layers=2, batch_first=True)
+        self.out = nn.Linear(self.d, self.vocab)
+
+    def forward(self, x):
+        return self.out(self.lstm(self.tokens(x))[0])
+
+
 class GroupNormCNN(nn.Module):
     """CIFAR-sized conv net with GroupNorm (the BatchNorm replacement DP needs): 32-32-64-64 channels, 3x3."""
 
@@ -231,12 +271,19 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 #: the classifiers, trained with cross entropy on ``(x, y)`` (benchmarks/accumulation.py and norms_cost.py use them)
 MODELS = {"demo_cnn": DemoCNN, "mlp": MLP, "transformer": TransformerEncoder, "groupnorm_cnn": GroupNormCNN}
 #: every model of this benchmark: the classifiers and the causal LM
-BENCHMARKED: dict[str, type[nn.Module]] = {**MODELS, "gpt2": GPT2}
+BENCHMARKED: dict[str, type[nn.Module]] = {
+    **MODELS,
+    "gpt2": GPT2,
+    "torch_transformer": TorchTransformer,
+    "lstm_lm": LSTMLanguageModel,
+}
+#: the models trained on token sequences with the next-token loss
+CAUSAL_LMS = (GPT2, LSTMLanguageModel)
 
 
 def loss_of(model_cls: type[nn.Module]):
     """A model's training loss: the batch's mean over records of each record's loss."""
-    return next_token_loss if model_cls is GPT2 else F.cross_entropy
+    return next_token_loss if model_cls in CAUSAL_LMS else F.cross_entropy
 
 
 def variants_of(model_name: str) -> tuple[str, ...]:
@@ -245,10 +292,10 @@ def variants_of(model_name: str) -> tuple[str, ...]:
 
 def synthetic_data(model_cls, n: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    if model_cls is GPT2:  # token sequences; the targets are the inputs shifted by one (the next tokens)
+    if model_cls in CAUSAL_LMS:  # token sequences; the targets are the inputs shifted by one (the next tokens)
         tokens = torch.randint(0, model_cls.vocab, (n, model_cls.seq_len + 1), generator=g)
         return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    if model_cls is TransformerEncoder:
+    if model_cls in (TransformerEncoder, TorchTransformer):
         x = torch.randint(0, model_cls.vocab, (n, model_cls.seq_len), generator=g)
     else:
         x = torch.randn(n, *model_cls.input_shape, generator=g)
