@@ -3,7 +3,9 @@
 Models: the demo CNN (digits, 8x8), an MLP, a small transformer encoder (embedding, Opacus' DPMultiheadAttention,
 LayerNorm, linear layers), a conv net with GroupNorm, and GPT-2 (transformers' ``GPT2LMHeadModel`` from a config,
 random weights: 2 layers, d=128, 4 heads, 5000 tokens, 64 positions; its layers transformers' ``Conv1D``, its token
-embedding tied to its output layer) trained as a causal LM, each record's loss the mean of its next-token losses.
+embedding tied to its output layer) trained as a causal LM, each record's loss the mean of its next-token losses;
+and two built from torch's own sequence layers, which Opacus refuses: the same transformer encoder with
+``nn.TransformerEncoder`` (``torch_transformer``) and an ``nn.LSTM`` language model (``lstm_lm``).
 Variants, measured side by side in one process and interleaved (each repeat runs every variant once, in rotating
 order, so machine noise hits all alike):
 
