@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_oso import step
 from lightning_oso.validation import check_open_interval, check_positive
@@ -173,18 +174,23 @@ class FixedQuantileClipping(ClippingRule):
         self.gradient_noise_multiplier = quantile_gradient_noise_multiplier(noise_multiplier, count_noise_std)
         self.unclipped_fraction: Tensor | None = None  # b~_t of the last step
 
+    @override
     def noise_multipliers(self) -> dict[str, float]:
         return {**super().noise_multipliers(), "count_noise_multiplier": 2 * self.count_noise_std}
 
+    @override
     def scalar_queries(self, norms: Tensor) -> Tensor:
         return step.centred_unclipped_count(norms, self.clip.to(norms.dtype))
 
+    @override
     def scalar_noise_stds(self) -> Tensor:
         return torch.full((1,), self.count_noise_std, dtype=torch.float64, device=self.clip.device)
 
+    @override
     def scalar_query_multipliers(self) -> list[float]:
         return [2.0 * self.count_noise_std]  # the centred count has sensitivity 1/2
 
+    @override
     def update(self, released: SanitisedStep) -> None:
         if released.scalars is None:
             raise ValueError("the quantile rule learns from its sanitised count: the step released no scalars")
@@ -193,6 +199,7 @@ class FixedQuantileClipping(ClippingRule):
         self.unclipped_fraction = unclipped_fraction
         return None
 
+    @override
     def step_metrics(self) -> dict[str, Tensor]:
         """``b~_t``, the noisy fraction of unclipped samples (sanitised: free to log)."""
         return {} if self.unclipped_fraction is None else {"unclipped_fraction": self.unclipped_fraction}
@@ -303,6 +310,7 @@ class OSOClipping(ClippingRule):
         #: ``g~_t . q~_{t-1}`` of the last step (sanitised: ``C_t`` moves by its sign), ``None`` before the second
         self.direction_product: Tensor | None = None
 
+    @override
     def to(self, device: torch.device) -> OSOClipping:
         super().to(device)
         if self.prev_gradient is not None:
@@ -313,26 +321,32 @@ class OSOClipping(ClippingRule):
             self._prev_direction = self._prev_direction.to(device)
         return self
 
+    @override
     def noise_multipliers(self) -> dict[str, float]:
         return {**super().noise_multipliers(), "direction_noise_multiplier": self.direction_noise_multiplier}
 
+    @override
     def weights(self, norms: Tensor) -> Tensor:
         """Each record in one column: left whole, or its unit direction if clipped (``step.oso_split_weights``), so
         that the layers can form both sums with one product per record; :meth:`queries` makes the clipped sum."""
         return step.oso_split_weights(norms, self.clip.to(norms.dtype))
 
+    @override
     def queries(self, sums: list[Tensor]) -> list[Tensor]:
         """The clipped sum (eq. 4) and the direction sum (eq. 11) from the split columns."""
         return step.clipped_sum_from_split(sums, self.clip)
 
+    @override
     def query_multipliers(self) -> list[float]:
         return [self.gradient_noise_multiplier, self.direction_noise_multiplier]
 
+    @override
     def noise_stds(self) -> Tensor:
         """``C_t nu_g`` (sensitivity ``C_t``) and ``nu_q`` (sensitivity 1)."""
         direction = torch.full_like(self.clip, self.direction_noise_multiplier)
         return torch.stack([self.clip * self.gradient_noise_multiplier, direction])
 
+    @override
     def update(self, released: SanitisedStep) -> Tensor:
         """Eqs. 20-21 from this step's released queries: the gradient ``g~_t`` and the deferred direction ``q~_t``.
 
@@ -369,6 +383,7 @@ class OSOClipping(ClippingRule):
             self._prev_direction = self._prev_direction.materialise()
         return self._prev_direction
 
+    @override
     def state_dict(self) -> dict:
         """``C_t``, ``g~_{t-1}`` and ``q~_{t-1}``: a deferred ``q~_{t-1}`` is materialised first (its raw sum never
         leaves the process)."""
@@ -378,6 +393,7 @@ class OSOClipping(ClippingRule):
         state["prev_direction"] = None if direction is None else [t.cpu() for t in direction]
         return state
 
+    @override
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         device = self.clip.device
@@ -421,20 +437,25 @@ class ScheduledNoiseClipping(ClippingRule):
         """``sigma_t`` of the next step (on the mean gradient; data-independent, so free to log)."""
         return self.schedule(self.t)
 
+    @override
     def noise_stds(self) -> Tensor:
         return (2.0 * self.clip * self.noise_multiplier).reshape(1)  # = N sigma_t on the sum
 
+    @override
     def update(self, released: SanitisedStep) -> None:
         self.t += 1
         self.noise_multiplier = self.gradient_noise_multiplier = self._multiplier(self.t)
         return None
 
+    @override
     def step_metrics(self) -> dict[str, Tensor]:
         return {"noise_std": torch.tensor(self.schedule(self.t - 1))}  # the step just taken (after update)
 
+    @override
     def state_dict(self) -> dict:
         return {**super().state_dict(), "t": self.t}
 
+    @override
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.t = state["t"]

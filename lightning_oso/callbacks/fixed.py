@@ -7,7 +7,7 @@ import math
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
@@ -58,13 +58,16 @@ class FixedThresholdDP(DPCallback):
         super().__init__(target_epsilon, target_delta, **kwargs)
         self._clip = check_positive("clip", clip)
 
+    @override
     @property
     def initial_clip(self) -> float:
         return self._clip
 
+    @override
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedThresholdClipping:
         return FixedThresholdClipping(noise_multiplier, self._clip)
 
+    @override
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
         if isinstance(optimizer, DPAdamWOSM):
             # Theorem 3: the per-coordinate std of the noise in the averaged gradient, nu C / B

@@ -79,6 +79,7 @@ class OSODP(DPCallback):
             "direction_noise_ratio", direction_noise_ratio, 1, math.inf, hint=", the ratio nu_q / nu"
         )
 
+    @override
     @property
     def initial_clip(self) -> float:
         return self._initial_clip
@@ -88,6 +89,7 @@ class OSODP(DPCallback):
         """``nu_q``: noise of the direction sum (sensitivity 1)."""
         return self.rule.direction_noise_multiplier if isinstance(self.rule, OSOClipping) else None
 
+    @override
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> OSOClipping:
         return OSOClipping(noise_multiplier, self._initial_clip, self.clip_lr, self.lr_lr, self.direction_noise_ratio)
 
@@ -107,6 +109,7 @@ class OSODP(DPCallback):
         ):
             rank_zero_warn(f'OSODP: {problem} (docs/algorithms.md, "When OSO cannot learn its hyperparameters").')
 
+    @override
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.SGD):
             raise PrivacyConfigurationError(

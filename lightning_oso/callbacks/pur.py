@@ -6,7 +6,7 @@ import math
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from lightning_oso import planning
 from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, RunArguments, _document_shared_args
@@ -72,6 +72,7 @@ class PURDP(DPCallback):
         self.schedule = check_instance("schedule", schedule, PURSchedule, "lightning_oso.schedules.PURSchedule")
         self.lipschitz = check_positive("lipschitz", lipschitz)
 
+    @override
     @property
     def initial_clip(self) -> float:
         return self.lipschitz
@@ -86,9 +87,11 @@ class PURDP(DPCallback):
         """The schedule's ``t`` of this fit's first step: 1, or where the checkpoint left off."""
         return self._restored["rule"]["t"] if self._restored is not None else 1
 
+    @override
     def _config(self, sample_rate: float | None) -> dict:
         return {**super()._config(sample_rate), "schedule": repr(self.schedule), "lipschitz": self.lipschitz}
 
+    @override
     def plan(self, sample_rate: float, remaining_steps: float, limit: int) -> tuple[float, int]:
         """The schedule decides: ``nu`` of step ``t`` is ``sigma_t`` over the sensitivity ``2L/N``, from where the
         checkpoint left off; the budget allows the steps whose composed schedule fits it."""
@@ -114,9 +117,11 @@ class PURDP(DPCallback):
         )
         return multiplier_at(first), allowed
 
+    @override
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ScheduledNoiseClipping:
         return ScheduledNoiseClipping(self.schedule.noise_std, self.lipschitz, self._sampling()[1], self._first_step)
 
+    @override
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.SGD) or any(g.get("momentum", 0) for g in optimizer.param_groups):
             raise PrivacyConfigurationError(
@@ -125,6 +130,7 @@ class PURDP(DPCallback):
                 + (" with momentum" if isinstance(optimizer, torch.optim.SGD) else "")
             )
 
+    @override
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, rule: ClippingRule) -> None:
         eta = self.schedule.step_size
         if any(not math.isclose(group["lr"], eta) for group in optimizer.param_groups):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments, _document_shared_args
 from lightning_oso.callbacks.base import DPCallback
@@ -77,6 +77,7 @@ class FixedQuantileDP(DPCallback):
             None if count_noise_std is None else check_positive("count_noise_std", count_noise_std)
         )
 
+    @override
     @property
     def initial_clip(self) -> float:
         return self._initial_clip
@@ -90,12 +91,14 @@ class FixedQuantileDP(DPCallback):
             else self.requested_count_noise_std
         )
 
+    @override
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> FixedQuantileClipping:
         count_noise_std = self.requested_count_noise_std or default_count_noise_std(expected_batch_size)
         return FixedQuantileClipping(
             noise_multiplier, self.target_quantile, count_noise_std, self._initial_clip, self.clip_lr
         )
 
+    @override
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if isinstance(optimizer, DPAdamWOSM):
             raise PrivacyConfigurationError(
