@@ -6,6 +6,7 @@ its fits (randomness, sessions, ledger, checkpoint state) is ``_session``; the s
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 from typing import Any, Literal, get_args
@@ -44,7 +45,7 @@ from lightning_oso.validation import (
 
 
 @_document_shared_args()
-class DPCallback(RunSession):
+class DPCallback(RunSession, abc.ABC):
     r"""What every DP method shares: Poisson sampling, per-sample clipping and noise through :class:`DPStrategy`
     (or :class:`~lightning_oso.DPDDPStrategy` on several processes), accounting, the budget stop, logging and
     resume. A method subclasses it and implements :meth:`make_rule` (and, if it has optimizer restrictions,
@@ -119,9 +120,9 @@ class DPCallback(RunSession):
         self._planned_steps: float | None = None  # the trainer's global step at which this fit's plan ends
 
     # ------------------------------------------------------------------ what a method defines
+    @abc.abstractmethod
     def make_rule(self, noise_multiplier: float, expected_batch_size: float) -> ClippingRule:
         """The clipping rule of the method, for per-step multiplier ``nu`` and expected batch size ``B = qN``."""
-        raise NotImplementedError
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer the method has no analysis for (default: any optimizer is fine)."""
@@ -133,8 +134,9 @@ class DPCallback(RunSession):
         """Give the optimizer what it needs to know of the noise (default: nothing)."""
 
     @property
+    @abc.abstractmethod
     def initial_clip(self) -> float:
-        raise NotImplementedError
+        """``C_0``: the threshold of the first step."""
 
     def plan(self, sample_rate: float, remaining_steps: float, limit: int) -> tuple[float, int]:
         """This fit's privacy plan, called once when training starts: ``(nu, allowed)``, the noise multiplier of
