@@ -31,7 +31,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_oso import step
-from lightning_oso.validation import check_open_interval, check_positive
+from lightning_oso.validation import check_number, check_open_interval, check_positive
 
 if TYPE_CHECKING:
     from lightning_oso.step import DeferredQuery, SanitisedStep
@@ -169,8 +169,8 @@ class FixedQuantileClipping(ClippingRule):
     ) -> None:
         super().__init__(noise_multiplier, initial_clip)
         self.target_quantile = check_open_interval("target_quantile", target_quantile, 0, 1)
-        self.count_noise_std = float(count_noise_std)
-        self.clip_lr = float(clip_lr)
+        self.count_noise_std = check_positive("count_noise_std", count_noise_std)
+        self.clip_lr = check_number("clip_lr", clip_lr)
         self.gradient_noise_multiplier = quantile_gradient_noise_multiplier(noise_multiplier, count_noise_std)
         self.unclipped_fraction: Tensor | None = None  # b~_t of the last step
 
@@ -302,8 +302,8 @@ class OSOClipping(ClippingRule):
         self.gradient_noise_multiplier, self.direction_noise_multiplier = split_noise_multiplier(
             noise_multiplier, direction_noise_ratio
         )
-        self.clip_lr = clip_lr
-        self.lr_lr = lr_lr
+        self.clip_lr = check_number("clip_lr", clip_lr)
+        self.lr_lr = check_number("lr_lr", lr_lr)
         self.prev_gradient: list[Tensor] | None = None  # g~_{t-1}
         # q~_{t-1}: deferred (its raw sum and one scalar draw) until it is read or leaves the process, then a vector
         self._prev_direction: DeferredQuery | list[Tensor] | None = None

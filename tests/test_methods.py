@@ -298,3 +298,20 @@ def test_oso_with_momentum_replays_from_sanitised_values():
     assert float(model.optimizers().param_groups[0]["lr"]) == pytest.approx(lr, rel=1e-9)
     for p, expected in zip(model.parameters(), params):
         torch.testing.assert_close(p.detach(), expected.to(p.dtype), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: OSOClipping(1.0, clip_lr=float("nan")), "clip_lr"),
+        (lambda: OSOClipping(1.0, lr_lr=-0.1), "lr_lr"),
+        (lambda: OSOClipping(1.0, initial_clip=0.0), "clip"),
+        (lambda: FixedQuantileClipping(1.0, 0.5, count_noise_std=0.0), "count_noise_std"),
+        (lambda: FixedQuantileClipping(1.0, 0.5, count_noise_std=10.0, clip_lr=float("inf")), "clip_lr"),
+        (lambda: FixedThresholdClipping(-1.0, 1.0), "noise_multiplier"),
+    ],
+)
+def test_rule_constructors_name_the_bad_argument(make, name):
+    """The rules are public: built directly, they refuse a bad argument with its name, as the callbacks do."""
+    with pytest.raises(ValueError, match=name):
+        make()
