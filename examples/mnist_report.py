@@ -119,7 +119,7 @@ def report_full(runs_dir: Path, seeds, settings) -> dict:
     complete = [c for c in online_grid if len(c["test_acc_per_seed"]) == len(seeds)]
     online_selected = max(complete, key=lambda c: c["mean"]) if len(complete) == len(online_grid) else None
     sweep = []
-    for lr in NONPRIVATE_LRS:
+    for lr in sorted(NONPRIVATE_LRS):
         record = read_run(spec("NoDP", None, 0, **settings, lr=lr), runs_dir)
         sweep.append({"lr": lr, "test_acc": None if record is None else record["best_test_acc"]})
     return {
