@@ -1,18 +1,21 @@
 """Cost of the noise: the exact release's discrete Gaussian integers, from torch's keyed generator and from the
-operating system's secure one (``secure_rng=True``), beside torch's float32 ``normal_`` for scale.
+operating system's secure one (``secure_rng=True``), beside the discrete Laplace proposal of Canonne, Kamath and
+Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and torch's float32 ``normal_``.
 
-    python benchmarks/noise_generation.py [--numbers 1000000] [--repeats 5] [--device cpu]
+    python benchmarks/noise_generation.py [--numbers 670000] [--repeats 7] [--threads 1] [--device cpu]
 
 Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``),
-prints a table and writes JSON. Medians over the repeats, the generators interleaved. ``normal_`` is not what the
-private step draws (its low-order bits and its 5.77-sigma cut-off leak; docs/algorithms.md, "The exact release"): it
-is the cost the exact sampler is compared with.
+counts the 62-bit words each draw consumes, prints a table and writes JSON. Medians over the repeats, the samplers
+interleaved. ``normal_`` is not what the private step draws (its low-order bits and its 5.77-sigma cut-off leak;
+docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +24,40 @@ import torch
 
 from lightning_oso import exact_noise
 from lightning_oso.randomness import SecureRandom, words_of
+
+
+def cks20_discrete_gaussian(count: int, s: torch.Tensor, words: exact_noise.Words, laplace_bits: int = 31):
+    """CKS20's Algorithm 3, vectorised: a discrete Laplace proposal of scale ``t = 2^31`` (a uniform ``U < t`` plus
+    ``t`` times a geometric count of ``Bernoulli(e^-1)`` successes, a random sign) kept with probability
+    ``exp(-U/t - (|Y| - s^2/t)^2 / (2 s^2))``; the same exact Bernoulli trials as the library's sampler."""
+    device, t = s.device, 2**laplace_bits
+    out = torch.empty(count, dtype=torch.int64, device=device)
+    pending = torch.arange(count, device=device)
+    threshold = int(math.exp(-1.0) * 2.0**exact_noise.WORD_BITS)
+    while pending.numel():
+        n = pending.numel()
+        word = words(n, device)
+        uniform, negative = word & (t - 1), ((word >> laplace_bits) & 1).bool()
+        geometric = torch.zeros(n, dtype=torch.int64, device=device)
+        active = torch.arange(n, device=device)
+        while active.numel():
+            active = active[words(active.numel(), device) < threshold]
+            geometric[active] += 1
+        magnitude = uniform + t * geometric
+        excess = magnitude.to(torch.float64) - s * s / t
+        exponent = uniform.to(torch.float64) / t + (excess * excess) / (2.0 * s * s)
+        keep = exact_noise.bernoulli(torch.exp(-exponent), words) & ~(negative & (magnitude == 0))
+        out[pending[keep]] = torch.where(negative, -magnitude, magnitude)[keep]
+        pending = pending[~keep]
+    return out
+
+
+def _counting(words: exact_noise.Words, tally: list[int]) -> exact_noise.Words:
+    def counted(count: int, device: torch.device) -> torch.Tensor:
+        tally[0] += count
+        return words(count, device)
+
+    return counted
 
 
 def _time(fn, device: str) -> float:
@@ -35,18 +72,27 @@ def _time(fn, device: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--numbers", type=int, default=1_000_000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--numbers", type=int, default=670_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/noise_generation.json")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     scale = torch.tensor(1.5 * 2.0**exact_noise.GRID_BITS, dtype=torch.float64, device=args.device)
     torch_generator = torch.Generator(device=args.device).manual_seed(0)
+    secure = SecureRandom()
+    tallies = {name: [0] for name in ("exact, torch generator", "exact, secure", "CKS20 Laplace proposal")}
     draws = {
         "exact, torch generator": lambda: exact_noise.discrete_gaussian(
-            (args.numbers,), scale, words_of(torch_generator)
+            (args.numbers,), scale, _counting(words_of(torch_generator), tallies["exact, torch generator"])
         ),
-        "exact, secure": lambda: exact_noise.discrete_gaussian((args.numbers,), scale, words_of(SecureRandom())),
+        "exact, secure": lambda: exact_noise.discrete_gaussian(
+            (args.numbers,), scale, _counting(words_of(secure), tallies["exact, secure"])
+        ),
+        "CKS20 Laplace proposal": lambda: cks20_discrete_gaussian(
+            args.numbers, scale, _counting(words_of(torch_generator), tallies["CKS20 Laplace proposal"])
+        ),
         "float32 normal_ (not private)": lambda: torch.empty(args.numbers, device=args.device).normal_(
             generator=torch_generator
         ),
@@ -56,10 +102,20 @@ def main() -> None:
         for name, draw in draws.items():
             times[name].append(_time(draw, args.device))
     median_ms = {name: 1e3 * statistics.median(v[1:]) for name, v in times.items()}
-    result = {"numbers": args.numbers, "device": args.device, "median_ms": median_ms}
-    print(f"{'draw':<32}{'ms':>12}{'ns / number':>14}")
+    words_per_number = {name: tally[0] / (args.numbers * (args.repeats + 1)) for name, tally in tallies.items()}
+    result = {
+        "numbers": args.numbers,
+        "device": args.device,
+        "threads": args.threads,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "median_ms": median_ms,
+        "words_per_number": words_per_number,
+    }
+    print(f"{'draw':<32}{'ms':>12}{'ns / number':>14}{'words / number':>16}")
     for name, ms in median_ms.items():
-        print(f"{name:<32}{ms:>12.2f}{1e6 * ms / args.numbers:>14.1f}")
+        per = f"{words_per_number[name]:.2f}" if name in words_per_number else "-"
+        print(f"{name:<32}{ms:>12.2f}{1e6 * ms / args.numbers:>14.1f}{per:>16}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

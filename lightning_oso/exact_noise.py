@@ -11,19 +11,23 @@ float addition is exact (Sterbenz) and the output falls on the lattice of that s
 reveal the record; and torch's float32 normal draws never exceed 5.77 sigma, so a shift beyond that is detected with
 certainty.
 
-The sampler (CKS20, Algorithms 1-3, vectorised over all coordinates at once):
+The sampler (vectorised over all coordinates at once):
 
 - :func:`bernoulli`: ``P(True) = p`` *exactly* for a float64 ``p``, from uniform bits (for ``p >= 2^-9``,
   ``p 2^62`` is an integer and one 62-bit word is below it with probability ``p``; a smaller ``p`` takes leading
   zero bits from further words);
-- the discrete Laplace proposal with scale ``t = 2^31``: a uniform ``U < t`` and ``t`` times a geometric count of
-  ``Bernoulli(e^-1)`` successes, with a random sign (zero counted once);
-- :func:`discrete_gaussian`: the proposal ``Y`` kept with probability ``exp(-U/t - (|Y| - s^2/t)^2 / (2 s^2))``,
-  the Laplace and the Gaussian acceptances as one trial.
+- :func:`discrete_gaussian`: rejection from a piecewise-uniform proposal (:func:`proposal_table`). The integers are cut
+  into blocks of a power-of-two width (``2^26`` up to ``2^33``, ``2^30`` up to ``2^36``, each sign its own blocks);
+  the top 16 bits of a word pick a block through a table in which each block holds a whole number of the
+  ``2^16`` entries, its low bits a position in the block, and the draw is kept with a probability proportional to
+  the Gaussian density divided by the proposal's (:func:`acceptance`). About 97% of the proposals are kept: two
+  words per draw, where the discrete Laplace proposal of Canonne, Kamath and Steinke (2020, Algorithm 3) takes
+  about 8.
 
-Every probability the sampler uses is a float64 number, and each Bernoulli trial has exactly that probability, so the
-law of the output differs from ``N_Z(0, s^2)`` only through the float64 rounding of those probabilities: within a
-factor ``exp(+-SAMPLER_LOG_RATIO_BOUND)`` of the exact probability mass of every integer within 16 standard deviations
+Every probability the sampler uses is either exact (the proposal's: a whole number of table entries, a power-of-two
+width) or a float64 number that a Bernoulli trial meets exactly, so the law of the output differs from
+``N_Z(0, s^2)`` only through the float64 evaluation of the acceptance: within a factor
+``exp(+-SAMPLER_LOG_RATIO_BOUND)`` of the exact probability mass of every integer within 16 standard deviations
 (docs/algorithms.md derives the bound); beyond that, both laws have less than ``2^-189`` of mass.
 
 Random bits come as int64 *words* of :data:`WORD_BITS` uniform bits each, from a torch generator (power-of-two ranges
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,27 +49,32 @@ WORD_BITS = 62
 #: ``log2(s)`` lies in ``[GRID_BITS, GRID_BITS + 1)``: the grid step ``gamma`` is a power of two with
 #: ``sigma / gamma = s`` in ``[2^30, 2^31)``.
 GRID_BITS = 30
-#: The discrete Laplace proposal's scale ``t = 2^31 >= s``.
-LAPLACE_BITS = GRID_BITS + 1
 #: The released integers are clamped to this magnitude before noise: a coordinatewise clamp is a contraction, so it
 #: never increases the sensitivity, and every integer stays exact in float64 after the noise is added.
 MAX_GRID_INDEX = 2**52
 #: Bound on ``|log(Q(k) / P(k))|``, for the sampler's law ``Q`` and the rounded continuous Gaussian ``P`` (the
 #: mechanism the accountant prices, see docs/algorithms.md), at every integer within :data:`BULK_SIGMAS` standard
-#: deviations: the float64 evaluation of the acceptance ``exp(-x)`` for ``x <= 120`` (within ``2^-44`` relative), of
-#: ``exp(-U/t)`` (``2^-52``) and the geometric count's ``e^-1`` (at most 17 factors: ``2^-49``), twice over for the
-#: normalisation, plus the gap between the discrete and the rounded continuous Gaussian at ``s >= 2^30`` (``2^-57``),
-#: with a factor 2 of margin.
+#: deviations: the float64 evaluation of the acceptance, within ``4 u X + 7 u`` relative for ``X = k^2 / (2 s^2)
+#: <= 128`` and ``u = 2^-53`` (at most ``2^-43.98``), twice over for the normalisation, plus the gap between the
+#: discrete and the rounded continuous Gaussian at ``s >= 2^30`` (``2^-57``): ``2^-42.97``, under the bound.
 SAMPLER_LOG_RATIO_BOUND = 2.0**-42
 #: Where :data:`SAMPLER_LOG_RATIO_BOUND` holds; beyond it both laws have mass below ``2^-189`` per coordinate.
 BULK_SIGMAS = 16
 
 #: ``words(count, device) -> count`` int64 tensors of :data:`WORD_BITS` uniform bits each.
 Words = Callable[[int, torch.device], Tensor]
+#: The sampler's blocks: ``((end_bits, width_bits), ...)``, blocks of ``2^width_bits`` integers up to ``2^end_bits``,
+#: then the next run.
+Layout = tuple[tuple[int, int], ...]
+#: The release's layout, for ``s`` in ``[2^30, 2^31)``: blocks of ``s / 32`` to ``s / 16`` up to at least ``4 s``
+#: (the acceptance within a block stays above 0.88 where the mass is), blocks of ``2^30`` beyond, up to at least
+#: ``32 s``.
+RELEASE_LAYOUT: Layout = ((33, 26), (36, 30))
+#: A word's top bits that pick the proposal's block: ``2^16`` table entries.
+BUCKET_BITS = 16
 
 _MANTISSA_BITS = 53
 _PREFIX_BITS = WORD_BITS - _MANTISSA_BITS  # below 2^-9, p 2^62 is no longer an integer
-_INV_E = math.exp(-1.0)
 
 
 def torch_words(generator: torch.Generator | None) -> Words:
@@ -108,75 +118,209 @@ def bernoulli(p: Tensor, words: Words) -> Tensor:
     return result
 
 
-def _geometric_inverse_e(count: int, device: torch.device, words: Words) -> Tensor:
-    """How many ``Bernoulli(e^-1)`` trials succeed before the first failure (``P(V >= v) = e^-v``), per element."""
-    successes = torch.zeros(count, dtype=torch.int64, device=device)
-    active = torch.arange(count, device=device)
-    threshold = int(_INV_E * 2.0**WORD_BITS)  # exact: e^-1 >= 2^-9 (see bernoulli)
-    while active.numel():
-        active = active[words(active.numel(), device) < threshold]
-        successes[active] += 1
-    return successes
+# ----------------------------------------------------------------------------------------------------- the sampler
+@dataclass(frozen=True)
+class ProposalTable:
+    """The discrete Gaussian sampler's proposal for one scale ``s``. A word's top :data:`BUCKET_BITS` bits pick a
+    *bucket*; each bucket names one block of integers of a power-of-two width, so a block named by ``N`` buckets is
+    proposed with probability exactly ``N / 2^BUCKET_BITS``, and a position in it (the word's low bits) uniformly.
+
+    Per bucket (``2^BUCKET_BITS`` entries, read for every proposal):
+
+    Attributes:
+        block: the block it names; the last block is a sentinel for the few buckets that name none.
+        start: the block's first (smallest) integer, int64.
+        sure: words below this are accepted wherever the proposal lies in the block (0: never decided early).
+        never: words at or above this are rejected wherever it lies (``2^62``: never decided early).
+
+    Per block (read for the few proposals decided late):
+
+    Attributes:
+        mask: the block's width minus one (a run of low bits), int64.
+        anchor: the block's integer nearest zero, where its Gaussian density is largest, int64.
+        factor: ``f = K w m / N`` (float64, at most 1): the acceptance at the anchor, for the block's width ``w``, its
+            density at the anchor ``m = exp(-anchor^2 / (2 s^2))``, its ``N`` buckets and one constant ``K`` that keeps
+            every ``f`` at most 1; 0 for the sentinel.
+        inv_two_var: ``1 / (2 s^2)``, 0-dim float64.
+    """
+
+    block: Tensor
+    start: Tensor
+    sure: Tensor
+    never: Tensor
+    mask: Tensor
+    anchor: Tensor
+    factor: Tensor
+    inv_two_var: Tensor
 
 
-# ----------------------------------------------------------------------------------------------------- samplers
+def _blocks(layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The signed blocks of ``layout`` (each run of ``2^width_bits`` integers ``[lo, lo + w)``, and its mirror
+    ``[-lo - w, -1 - lo]``, so that zero lies in one block only): starts, width bits and anchors."""
+    lows: list[Tensor] = []
+    bits: list[Tensor] = []
+    low = 0
+    for end_bits, run_bits in layout:
+        count = (2**end_bits - low) >> run_bits
+        lows.append(low + (torch.arange(count, dtype=torch.int64, device=device) << run_bits))
+        bits.append(torch.full((count,), run_bits, dtype=torch.int64, device=device))
+        low = 2**end_bits
+    lo, width_bits = torch.cat(lows), torch.cat(bits)
+    width = torch.ones_like(lo) << width_bits
+    return torch.cat([lo, -lo - width]), torch.cat([width_bits, width_bits]), torch.cat([lo, -lo - 1])
+
+
+def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: int = BUCKET_BITS) -> ProposalTable:
+    """The proposal and the acceptance factors of :func:`discrete_gaussian` at scale ``s`` (a 0-dim float64 tensor;
+    a setting, never data).
+
+    Each block gets ``N = ceil(p (2^bucket_bits - J))`` buckets (``J`` blocks, ``p`` the block's share of the
+    Gaussian envelope ``w m``), so the buckets never run out; the few left over name no block and are always
+    rejected. How the counts are rounded only moves the acceptance rate: :func:`acceptance` divides by the very
+    ``N`` the proposal uses, so the law of the kept draws does not depend on it.
+    """
+    device = scale.device
+    for (end_bits, run_bits), low in zip(layout, [0, *(2**end for end, _ in layout)], strict=False):
+        # the position (low bits) and the bucket (top bits) must come from disjoint bits of a word to be independent
+        if not (0 <= run_bits <= WORD_BITS - bucket_bits and 2**end_bits > low and low % 2**run_bits == 0):
+            raise ValueError(f"layout run ({end_bits}, {run_bits}) is not a run of whole blocks after {low}")
+    start, width_bits, anchor = _blocks(layout, device)
+    blocks = start.numel()
+    buckets = 2**bucket_bits
+    if blocks + 8 > buckets:
+        raise ValueError(f"{blocks} blocks do not fit {buckets} buckets: raise bucket_bits or coarsen the layout")
+    inv_two_var = 1.0 / (2.0 * scale.to(torch.float64) * scale.to(torch.float64))
+    mask = (torch.ones_like(width_bits) << width_bits) - 1
+    near = anchor.to(torch.float64)
+    density = torch.exp(-(near * near) * inv_two_var)  # m: the block's largest density
+    envelope = (mask + 1).to(torch.float64) * density
+    counts = torch.ceil(envelope / envelope.sum() * float(buckets - blocks - 8)).to(torch.int64)
+    per_bucket = torch.where(counts > 0, envelope / counts.to(torch.float64), 0.0)  # w m / N
+    factor = per_bucket / per_bucket.max()  # K = 1 / max(w m / N): every factor at most 1, the largest exactly 1
+    # the early decisions: within a block the acceptance falls from f at the anchor to f exp(-x_far) at the integer
+    # farthest from zero; both bounds are widened by 2^-40 relative, far beyond the float64 error of acceptance(), so
+    # a word decided early gets the decision acceptance() would give it
+    far = (anchor.abs() + mask).to(torch.float64)
+    lowest = factor * torch.exp(-(far - near.abs()) * (far + near.abs()) * inv_two_var) * (1.0 - 2.0**-40)
+    one_word = 2.0**WORD_BITS
+    # decided late: blocks wider than the layout's first (their position takes more bits) and blocks whose acceptance
+    # may fall below 2^-9 (where the trial draws fresh words: see bernoulli)
+    late = (mask != 2 ** layout[0][1] - 1) | (lowest < 2.0**-_PREFIX_BITS)
+    sure = torch.where(late, 0, (lowest * one_word).to(torch.int64))
+    never = torch.where(late, 2**WORD_BITS, ((factor * (1.0 + 2.0**-40)).clamp(max=1.0) * one_word).to(torch.int64) + 1)
+    # bucket -> block; the entries past the last block's (at least 8) name the sentinel, which is always rejected
+    leftover = buckets - int(counts.sum())  # settings only: the table's shape
+    if leftover < 0:  # the 8 spare buckets absorb the float64 rounding of the shares
+        raise ValueError("the proposal's block counts exceed the bucket table: raise bucket_bits")
+    block = torch.repeat_interleave(
+        torch.arange(blocks + 1, device=device), torch.cat([counts, counts.new_tensor([leftover])])
+    )
+
+    def with_sentinel(values: Tensor, fill: float | int) -> Tensor:
+        return torch.cat([values, torch.full((1,), fill, dtype=values.dtype, device=device)])
+
+    return ProposalTable(
+        block=block,
+        start=torch.index_select(with_sentinel(start, 0), 0, block),
+        sure=torch.index_select(with_sentinel(sure, 0), 0, block),
+        never=torch.index_select(with_sentinel(never, 1), 0, block),
+        mask=with_sentinel(mask, 0),
+        anchor=with_sentinel(anchor, 0),
+        factor=with_sentinel(factor, 0.0),
+        inv_two_var=inv_two_var,
+    )
+
+
+def acceptance(value: Tensor, bucket: Tensor, table: ProposalTable) -> Tensor:
+    """The probability (float64) of keeping the proposal ``value`` drawn from ``bucket``:
+    ``f exp(-(value - a)(value + a) / (2 s^2))`` for the block's anchor ``a`` and factor ``f``, which is the
+    Gaussian density at ``value`` times ``K w / N``: proposal times acceptance is proportional to the density."""
+    block = table.block[bucket]
+    anchor = table.anchor[block].to(torch.float64)
+    y = value.to(torch.float64)
+    # (y - a) is an exact integer below 2^36, (y + a) below 2^37: one rounding in their product
+    return table.factor[block] * torch.exp(-((y - anchor) * (y + anchor)) * table.inv_two_var)
+
+
 def discrete_gaussian(
-    shape: torch.Size | tuple[int, ...], scale: Tensor, words: Words, laplace_bits: int = LAPLACE_BITS
+    shape: torch.Size | tuple[int, ...],
+    scale: Tensor,
+    words: Words,
+    layout: Layout = RELEASE_LAYOUT,
+    bucket_bits: int = BUCKET_BITS,
 ) -> Tensor:
-    """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64
-    (CKS20, Algorithm 3 with its discrete Laplace proposal of Algorithm 2, scale ``t = 2^31 >= s``).
+    """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64.
 
-    The two rejection steps are one: a proposal ``(U, V, sign)`` (``U`` uniform below ``t``, ``V`` geometric with
-    ``P(V >= v) = e^-v``, ``|Y| = U + t V``) is kept with probability ``exp(-U/t - (|Y| - s^2/t)^2 / (2 s^2))``, the
-    product of the Laplace and the Gaussian acceptances, and a negative zero is drawn again. The kept ``Y`` has
-    ``P(y)`` proportional to ``exp(-|y|/t) exp(-(|y| - s^2/t)^2 / (2 s^2))``, which is ``exp(-y^2 / (2 s^2))`` times a
-    constant: the law of the two steps in sequence.
+    Rejection sampling from a piecewise-uniform proposal (:func:`proposal_table`): one word picks a block (its top
+    bits, a bucket) and a position in it (its low bits), a second word accepts it with probability
+    :func:`acceptance`, a Bernoulli trial with exactly that float64 probability. Proposal times acceptance is
+    proportional to the Gaussian density at every integer the layout covers, so the kept draws follow
+    ``N_Z(0, s^2)`` up to the float64 evaluation of the acceptance (docs/algorithms.md bounds it). The layout's
+    blocks are narrow (``s / 32`` to ``s / 16`` at the release's scales) where the mass is, so about 97% of the
+    proposals are kept, and most are decided from two integer comparisons (``sure`` / ``never``) without evaluating
+    the acceptance.
 
     Args:
         shape: the output's shape.
         scale: ``s``, float64, broadcastable to ``shape`` (one scale per row, say), on the device the draws are made
-            on; at most ``2^laplace_bits`` and not far below it, or most proposals are rejected.
+            on. The default layout covers ``|k| < 2^36``, at least 32 ``s`` for the release's ``s`` in ``[2^30, 2^31)``.
         words: the source of uniform bits.
-        laplace_bits: ``log2(t)``; the release uses ``s`` in ``[2^30, 2^31)`` and ``t = 2^31``.
+        layout: ``((end_bits, width_bits), ...)``: blocks of ``2^width_bits`` integers up to ``2^end_bits``, then the
+            next run; widths non-decreasing (a smaller scale needs a smaller layout: the tests use one).
+        bucket_bits: how many top bits of a word pick the block.
     """
-    device = scale.device
     count = math.prod(shape)
-    uniform_scale = scale.numel() == 1  # one s for every draw (the common case): no per-draw gather
-    s = scale.to(torch.float64).reshape(()) if uniform_scale else scale.to(torch.float64).expand(shape).reshape(-1)
-    out = torch.empty(count, dtype=torch.int64, device=device)
-    # in chunks: the draws are independent, and a chunk's temporaries (a few int64 and float64 vectors of its size)
-    # stay small beside a large model's sums
-    for start in range(0, count, _CHUNK):
-        stop = min(count, start + _CHUNK)
-        out[start:stop] = _discrete_gaussian_flat(
-            stop - start, s if uniform_scale else s[start:stop], words, laplace_bits
+    scale = scale.to(torch.float64)
+    if scale.numel() == 1:
+        return _draw(count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(
+            shape
         )
+    # several scales (one per row of a release): one table each, in the order of their first appearance
+    scales = scale.expand(shape).reshape(-1)
+    values, which = torch.unique(scales, return_inverse=True)  # settings (noise levels), never data
+    out = torch.empty(count, dtype=torch.int64, device=scale.device)
+    for k in range(values.numel()):
+        index = (which == k).nonzero().squeeze(1)
+        out[index] = _draw(index.numel(), proposal_table(values[k], layout, bucket_bits), words, layout, bucket_bits)
     return out.reshape(shape)
 
 
-#: Draws per chunk of :func:`discrete_gaussian`.
-_CHUNK = 2**20
+#: Draws per chunk of :func:`discrete_gaussian`: a chunk's temporaries (a dozen int64 and float64 vectors) stay small
+#: beside a large model's sums.
+_CHUNK = 2**18
+#: Proposals drawn per draw still needed: about 3% are rejected, so one round nearly always suffices.
+_OVERDRAW = 1.04
 
 
-def _discrete_gaussian_flat(count: int, s: Tensor, words: Words, laplace_bits: int) -> Tensor:
-    """``count`` draws of :func:`discrete_gaussian`, with ``s`` 0-dim or one per draw."""
-    device = s.device
-    t = 2**laplace_bits
-    uniform_scale = s.dim() == 0
+def _draw(count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int) -> Tensor:
+    """``count`` draws of :func:`discrete_gaussian` from one ``table``."""
+    device = table.start.device
     out = torch.empty(count, dtype=torch.int64, device=device)
-    pending = torch.arange(count, device=device)
-    while pending.numel():
-        n = pending.numel()
-        word = words(n, device)
-        uniform = word & (t - 1)
-        negative = ((word >> laplace_bits) & 1).bool()
-        magnitude = uniform + t * _geometric_inverse_e(n, device, words)
-        sp = s if uniform_scale else s[pending]
-        excess = magnitude.to(torch.float64) - sp * sp / t
-        exponent = uniform.to(torch.float64) / t + (excess * excess) / (2.0 * sp * sp)  # U / t is exact
-        keep = bernoulli(torch.exp(-exponent), words) & ~(negative & (magnitude == 0))
-        out[pending[keep]] = torch.where(negative, -magnitude, magnitude)[keep]
-        pending = pending[~keep]
+    shift = WORD_BITS - bucket_bits
+    narrow = 2 ** layout[0][1] - 1
+    done = 0
+    while done < count:
+        wanted = min(count - done, _CHUNK)
+        size = int(wanted * _OVERDRAW) + 64
+        word = words(size, device)
+        bucket = word >> shift
+        value = torch.index_select(table.start, 0, bucket).add_(word & narrow)
+        verdict = words(size, device)
+        keep = verdict < torch.index_select(table.sure, 0, bucket)
+        late = ((verdict < torch.index_select(table.never, 0, bucket)) ^ keep).nonzero().squeeze(1)
+        if late.numel():
+            late_bucket = bucket[late]
+            late_value = table.start[late_bucket] + (word[late] & table.mask[table.block[late_bucket]])  # wide blocks
+            value[late] = late_value
+            p = acceptance(late_value, late_bucket, table)
+            kept = verdict[late] < (p * 2.0**WORD_BITS).to(torch.int64)  # exact for p >= 2^-9 (see bernoulli)
+            rare = ((p < 2.0**-_PREFIX_BITS) & (p > 0)).nonzero().squeeze(1)
+            if rare.numel():  # far tails: a trial of its own, from fresh words
+                kept[rare] = bernoulli(p[rare], words)
+            keep[late] = kept
+        kept_values = torch.masked_select(value, keep)[:wanted]
+        out[done : done + kept_values.numel()] = kept_values
+        done += kept_values.numel()
     return out
 
 

@@ -14,6 +14,7 @@ sensitivity), and the floating-point term in the reported epsilon.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -193,24 +194,124 @@ def test_bernoulli_has_exactly_its_probability_far_below_float_resolution():
         assert abs(trials.double().mean().item() - value) < 5 * math.sqrt(value / n)
 
 
-def test_discrete_gaussian_has_the_exact_law_tails_included():
-    """At a small scale (``s = 3``, Laplace scale 4) every bin's frequency, the tails beyond 3 sigma included,
-    matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square), and both signs and zero are counted once."""
-    n = 2_000_000
-    z = exact_noise.discrete_gaussian(
-        (n,), torch.tensor(3.0, dtype=torch.float64), exact_noise.torch_words(torch.Generator().manual_seed(5)), 2
+def _chi_square_against_the_law(z: torch.Tensor, scale: float, bin_width: int, reach: int) -> tuple[float, int]:
+    """Pearson's chi-square of ``z`` binned by ``bin_width`` over ``[-reach, reach]`` against ``N_Z(0, scale^2)``,
+    with the mass beyond ``reach`` as one bin each side."""
+    ks = torch.arange(-reach - 50 * int(scale), reach + 50 * int(scale) + 1, dtype=torch.float64)
+    mass = torch.exp(-(ks**2) / (2 * scale**2))
+    mass /= mass.sum()
+    edges = torch.arange(-reach, reach + bin_width + 1, bin_width, dtype=torch.float64) - 0.5
+    expected = (
+        torch.stack(
+            [mass[ks < edges[0]].sum()]
+            + [mass[(ks >= lo) & (ks < hi)].sum() for lo, hi in itertools.pairwise(edges)]
+            + [mass[ks >= edges[-1]].sum()]
+        )
+        * z.numel()
     )
-    ks = torch.arange(-40, 41)
-    law = torch.exp(-(ks.double() ** 2) / 18)
-    law /= law.sum()
-    counts = torch.bincount((z + 40).clamp(0, 80), minlength=81).double()
-    expected = law * n
+    counts = torch.bucketize(z.double(), edges, right=True)  # 0: below, len(edges): above
+    observed = torch.bincount(counts, minlength=len(edges) + 1).double()
     keep = expected > 5
-    chi2 = (((counts - expected) ** 2) / expected)[keep].sum().item()
-    dof = int(keep.sum()) - 1
+    chi2 = (((observed - expected) ** 2) / expected)[keep].sum().item()
+    return chi2, int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize(
+    ("scale", "layout", "bin_width"),
+    [
+        (3.0, ((4, 0), (7, 2)), 1),  # blocks of one integer up to 5 sigma, then of 4 (decided late), to 42 sigma
+        (37.3, ((9, 2), (12, 6)), 4),  # blocks of s / 9 (the acceptance varies inside), then of 64, to 110 sigma
+    ],
+)
+def test_discrete_gaussian_has_the_exact_law_tails_included(scale, layout, bin_width):
+    """At small scales, with layouts built like the release's: every bin's frequency, the tails beyond 3 sigma
+    included, matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square), zero counted once, both signs alike."""
+    n = 2_000_000
+    words = exact_noise.torch_words(torch.Generator().manual_seed(5))
+    z = exact_noise.discrete_gaussian((n,), torch.tensor(scale, dtype=torch.float64), words, layout=layout)
+    chi2, dof = _chi_square_against_the_law(z, scale, bin_width, reach=int(6 * scale))
     assert chi2 < dof + 6 * math.sqrt(2 * dof)
-    tail = (z.abs() > 9).double().mean().item()
-    assert abs(tail - law[ks.abs() > 9].sum().item()) < 5 * math.sqrt(law[ks.abs() > 9].sum().item() / n)
+    ks = torch.arange(-2000, 2001, dtype=torch.float64)
+    law = torch.exp(-(ks**2) / (2 * scale**2))
+    law /= law.sum()
+    for k in (0, 1, -1):  # zero is in one block only; its neighbours in a block of each sign
+        rate = law[ks == k].item()
+        assert abs((z == k).double().mean().item() - rate) < 5 * math.sqrt(rate / n)
+    tail = law[ks.abs() > 3 * scale].sum().item()
+    assert abs((z.abs() > 3 * scale).double().mean().item() - tail) < 5 * math.sqrt(tail / n)
+
+
+def _blocks_of(table: exact_noise.ProposalTable):
+    """The table's blocks: first integer, width, how many buckets name it, and one of those buckets."""
+    named = table.factor[table.block] > 0
+    starts, first, counts = torch.unique(table.start[named], return_inverse=True, return_counts=True)
+    bucket = torch.full((starts.numel(),), -1, dtype=torch.int64).scatter_reduce(
+        0, first, named.nonzero().squeeze(1), reduce="amax"
+    )
+    return starts, table.mask[table.block[bucket]] + 1, counts, bucket
+
+
+@pytest.mark.parametrize("scale", [2.0**30, 1.37 * 2**30, 2.0**31 - 2.0**8])
+def test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error(scale):
+    """The sampler's unnormalised law at an integer ``y`` is ``N(y) / w * acceptance(y)`` (its block's share of the
+    ``2^16`` buckets, the block's width, the float64 acceptance): it must equal ``exp(-y^2 / 2 s^2)`` times one
+    constant, within the error the accountant charges (docs/algorithms.md: ``2^-43.98`` per probability at every
+    ``|y| <= 16 s``), checked against 50-digit arithmetic at every block's ends and at random integers, far tails
+    included; and no integer within 16 s is out of reach (an acceptance of at least ``2^-195``, the exact Bernoulli's
+    floor)."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
+    s = torch.tensor(scale, dtype=torch.float64)
+    table = exact_noise.proposal_table(s)
+    starts, widths, counts, buckets = _blocks_of(table)
+    reach = 16 * scale
+    inside = (starts + widths - 1 >= -reach) & (starts <= reach)
+    generator = torch.Generator().manual_seed(1)
+    ys, bs = [], []
+    for start, width, bucket in zip(starts[inside], widths[inside], buckets[inside], strict=True):
+        points = [
+            int(start),
+            int(start + width - 1),
+            *(int(start) + torch.randint(0, int(width), (3,), generator=generator)).tolist(),
+        ]
+        ys += [y for y in points if abs(y) <= reach]
+        bs += [int(bucket)] * sum(abs(y) <= reach for y in points)
+    y, bucket = torch.tensor(ys), torch.tensor(bs)
+    p = exact_noise.acceptance(y, bucket, table)
+    assert bool((p >= 2.0**-195).all()) and bool((p <= 1).all())
+    block = torch.searchsorted(starts, y, right=True) - 1
+    log_ratio = []
+    for yk, pk, nk, wk in zip(y.tolist(), p.tolist(), counts[block].tolist(), widths[block].tolist(), strict=True):
+        density = mpmath.exp(-(mpmath.mpf(yk) ** 2) / (2 * mpmath.mpf(scale) ** 2))
+        log_ratio.append(mpmath.log(mpmath.mpf(pk) * nk / wk / density))
+    spread = float(max(log_ratio) - min(log_ratio))
+    assert spread <= 2 * 2.0**-43.98  # each ratio within 2^-43.98 of the ideal constant
+    assert spread > 0  # the check reads the float64 error, not a constant
+
+
+@pytest.mark.parametrize("scale", [2.0**30, 1.61 * 2**30, 2.0**31 - 1.0])
+def test_early_decisions_are_those_of_the_acceptance(scale):
+    """Most proposals are kept or dropped from the integer thresholds ``sure`` / ``never`` alone; for that to leave
+    the law unchanged, every word below ``sure`` must be below ``acceptance * 2^62`` and every word at or above
+    ``never`` not, wherever the proposal lies in its block (checked at both ends and inside each block)."""
+    table = exact_noise.proposal_table(torch.tensor(scale, dtype=torch.float64))
+    early = (table.sure > 0) | (table.never < 2**exact_noise.WORD_BITS)
+    assert early.double().mean().item() > 0.99  # the fast path is the common one
+    buckets = early.nonzero().squeeze(1)
+    for offset in (0.0, 0.25, 0.5, 0.999, 1.0):
+        y = table.start[buckets] + (table.mask[table.block[buckets]].double() * offset).long()
+        threshold = (exact_noise.acceptance(y, buckets, table) * 2.0**exact_noise.WORD_BITS).to(torch.int64)
+        assert bool((table.sure[buckets] <= threshold).all()) and bool((threshold <= table.never[buckets]).all())
+
+
+def test_discrete_gaussian_draws_each_row_at_its_own_scale():
+    """One scale per row (the release's rows each have their grid): each row's spread is its own."""
+    scales = torch.tensor([[1.1 * 2**30], [1.9 * 2**30]], dtype=torch.float64)
+    z = exact_noise.discrete_gaussian(
+        (2, 400_000), scales, exact_noise.torch_words(torch.Generator().manual_seed(2))
+    ).double()
+    for row in range(2):
+        assert (z[row] / scales[row]).var().item() == pytest.approx(1.0, abs=5 * math.sqrt(2 / 400_000))
 
 
 def test_release_scale_noise_has_the_requested_spread_and_is_not_truncated():
@@ -254,3 +355,11 @@ def test_reported_epsilon_includes_the_floating_point_term():
     ideal = compute_epsilon(dp.accountant.history, 1e-5)
     assert dp.epsilon == pytest.approx(ideal + dp.accountant.epsilon_per_step * dp.steps, rel=1e-12)
     assert dp.epsilon <= 3.0
+
+
+@pytest.mark.parametrize("layout", [((33, 50),), ((33, 26), (32, 30)), ((33, 26), (36, 34))])
+def test_a_layout_whose_positions_overlap_the_bucket_bits_or_its_runs_is_refused(layout):
+    """Positions wider than the bits left beside the bucket would share bits with it (then not independent), and a
+    run must be whole blocks after the last: refused with the run named."""
+    with pytest.raises(ValueError, match=r"layout run \("):
+        exact_noise.proposal_table(torch.tensor(2.0**30, dtype=torch.float64), layout)

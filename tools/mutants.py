@@ -182,6 +182,28 @@ MUTANTS = (
         "the noise widened for one coordinate's rounding, not for the sqrt(d) the grid adds to the sensitivity",
     ),
     Mutant(
+        "sampler_ignores_block_shares",
+        "lightning_oso/exact_noise.py",
+        "per_bucket = torch.where(counts > 0, envelope / counts.to(torch.float64), 0.0)  # w m / N",
+        "per_bucket = torch.where(counts > 0, envelope, 0.0)  # w m / N",
+        (
+            "tests/test_exact_release.py::test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error",
+            "tests/test_exact_release.py::test_discrete_gaussian_has_the_exact_law_tails_included",
+        ),
+        "the sampler's acceptance not divided by the buckets its block holds: blocks rounded up are over-drawn",
+    ),
+    Mutant(
+        "sampler_acceptance_from_the_anchor_distance",
+        "lightning_oso/exact_noise.py",
+        "return table.factor[block] * torch.exp(-((y - anchor) * (y + anchor)) * table.inv_two_var)",
+        "return table.factor[block] * torch.exp(-((y - anchor) * (y - anchor)) * table.inv_two_var)",
+        (
+            "tests/test_exact_release.py::test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error",
+            "tests/test_exact_release.py::test_discrete_gaussian_has_the_exact_law_tails_included",
+        ),
+        "the sampler's acceptance within a block computed from the distance to the anchor, not the density ratio",
+    ),
+    Mutant(
         "charged_at_nu_g",
         "lightning_oso/callbacks/base.py",
         "self._step_noise_multiplier = self._active_rule.noise_multiplier",
