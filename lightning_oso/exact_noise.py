@@ -20,9 +20,9 @@ The sampler (vectorised over all coordinates at once):
   into blocks of a power-of-two width (``2^26`` up to ``2^33``, ``2^30`` up to ``2^36``, each sign its own blocks);
   the top 16 bits of a word pick a block through a table in which each block holds a whole number of the
   ``2^16`` entries, its low bits a position in the block, and the draw is kept with a probability proportional to
-  the Gaussian density divided by the proposal's (:func:`acceptance`). About 97% of the proposals are kept: two
-  words per draw, where the discrete Laplace proposal of Canonne, Kamath and Steinke (2020, Algorithm 3) takes
-  about 8.
+  the Gaussian density divided by the proposal's (:func:`acceptance`). About 97% of the proposals are kept, and the
+  bits between decide most acceptance trials: 1.08 words per draw, where the discrete Laplace proposal of Canonne,
+  Kamath and Steinke (2020, Algorithm 3) takes about 8.4.
 
 Every probability the sampler uses is either exact (the proposal's: a whole number of table entries, a power-of-two
 width) or a float64 number that a Bernoulli trial meets exactly, so the law of the output differs from
@@ -130,8 +130,10 @@ class ProposalTable:
     Attributes:
         block: the block it names; the last block is a sentinel for the few buckets that name none.
         start: the block's first (smallest) integer, int64.
-        sure: words below this are accepted wherever the proposal lies in the block (0: never decided early).
-        never: words at or above this are rejected wherever it lies (``2^62``: never decided early).
+        sure: a trial whose uniform number's top bits (the word's middle bits, between the position and the bucket)
+            are below this is kept wherever the proposal lies in the block (0: never decided early).
+        never: one whose top bits are at or above this is dropped wherever it lies (their whole range: never decided
+            early).
 
     Per block (read for the few proposals decided late):
 
@@ -180,9 +182,13 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     ``N`` the proposal uses, so the law of the kept draws does not depend on it.
     """
     device = scale.device
+    narrow_bits = layout[0][1]
+    verdict_bits = WORD_BITS - bucket_bits - narrow_bits
     for (end_bits, run_bits), low in zip(layout, [0, *(2**end for end, _ in layout)], strict=False):
-        # the position (low bits) and the bucket (top bits) must come from disjoint bits of a word to be independent
-        if not (0 <= run_bits <= WORD_BITS - bucket_bits and 2**end_bits > low and low % 2**run_bits == 0):
+        # a word's bits: the bucket on top, the position at the bottom, the verdict's top bits between (disjoint, so
+        # independent); a wider block's extra position bits come from the late word's top verdict_bits bits
+        fits = 1 <= verdict_bits and narrow_bits <= run_bits <= narrow_bits + verdict_bits
+        if not (fits and 2**end_bits > low and low % 2**run_bits == 0):
             raise ValueError(f"layout run ({end_bits}, {run_bits}) is not a run of whole blocks after {low}")
     start, width_bits, anchor = _blocks(layout, device)
     blocks = start.numel()
@@ -205,9 +211,12 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     one_word = 2.0**WORD_BITS
     # decided late: blocks wider than the layout's first (their position takes more bits) and blocks whose acceptance
     # may fall below 2^-9 (where the trial draws fresh words: see bernoulli)
-    late = (mask != 2 ** layout[0][1] - 1) | (lowest < 2.0**-_PREFIX_BITS)
-    sure = torch.where(late, 0, (lowest * one_word).to(torch.int64))
-    never = torch.where(late, 2**WORD_BITS, ((factor * (1.0 + 2.0**-40)).clamp(max=1.0) * one_word).to(torch.int64) + 1)
+    late = (mask != 2**narrow_bits - 1) | (lowest < 2.0**-_PREFIX_BITS)
+    # the early decisions read only the verdict's top verdict_bits bits: thresholds rounded inwards to that grid
+    low_bits = WORD_BITS - verdict_bits
+    sure = torch.where(late, 0, (lowest * one_word).to(torch.int64) >> low_bits)
+    highest = ((factor * (1.0 + 2.0**-40)).clamp(max=1.0) * one_word).to(torch.int64) + 1
+    never = torch.where(late, 2**verdict_bits, (highest + (2**low_bits - 1)) >> low_bits)
     # bucket -> block; the entries past the last block's (at least 8) name the sentinel, which is always rejected
     leftover = buckets - int(counts.sum())  # settings only: the table's shape
     if leftover < 0:  # the 8 spare buckets absorb the float64 rounding of the shares
@@ -223,7 +232,7 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
         block=block,
         start=torch.index_select(with_sentinel(start, 0), 0, block),
         sure=torch.index_select(with_sentinel(sure, 0), 0, block),
-        never=torch.index_select(with_sentinel(never, 1), 0, block),
+        never=torch.index_select(with_sentinel(never, 0), 0, block),
         mask=with_sentinel(mask, 0),
         anchor=with_sentinel(anchor, 0),
         factor=with_sentinel(factor, 0.0),
@@ -251,14 +260,14 @@ def discrete_gaussian(
 ) -> Tensor:
     """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64.
 
-    Rejection sampling from a piecewise-uniform proposal (:func:`proposal_table`): one word picks a block (its top
-    bits, a bucket) and a position in it (its low bits), a second word accepts it with probability
-    :func:`acceptance`, a Bernoulli trial with exactly that float64 probability. Proposal times acceptance is
-    proportional to the Gaussian density at every integer the layout covers, so the kept draws follow
-    ``N_Z(0, s^2)`` up to the float64 evaluation of the acceptance (docs/algorithms.md bounds it). The layout's
-    blocks are narrow (``s / 32`` to ``s / 16`` at the release's scales) where the mass is, so about 97% of the
-    proposals are kept, and most are decided from two integer comparisons (``sure`` / ``never``) without evaluating
-    the acceptance.
+    Rejection sampling from a piecewise-uniform proposal (:func:`proposal_table`): a word's top bits pick a block
+    (a bucket), its low bits a position in it, and the proposal is kept with probability :func:`acceptance`, a
+    Bernoulli trial with exactly that float64 probability. Proposal times acceptance is proportional to the Gaussian
+    density at every integer the layout covers, so the kept draws follow ``N_Z(0, s^2)`` up to the float64
+    evaluation of the acceptance (docs/algorithms.md bounds it). The layout's blocks are narrow (``s / 32`` to
+    ``s / 16`` at the release's scales) where the mass is, so about 97% of the proposals are kept, and most trials
+    are decided by the word's middle bits against two integer thresholds (``sure`` / ``never``), without evaluating
+    the acceptance or drawing another word: about 1.08 words per draw.
 
     Args:
         shape: the output's shape.
@@ -293,27 +302,36 @@ _OVERDRAW = 1.04
 
 
 def _draw(count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int) -> Tensor:
-    """``count`` draws of :func:`discrete_gaussian` from one ``table``."""
+    """``count`` draws of :func:`discrete_gaussian` from one ``table``.
+
+    One word per proposal: its top ``bucket_bits`` bits pick the block, its low bits the position in a narrow block,
+    and the bits between are the top of the acceptance trial's uniform 62-bit number, enough to decide most trials
+    against the table's ``sure`` / ``never``. A trial left open (about 3%) gets the rest of its uniform number from
+    a fresh word, whose top bits also extend the position in a wide block: every bit is read once."""
     device = table.start.device
     out = torch.empty(count, dtype=torch.int64, device=device)
-    shift = WORD_BITS - bucket_bits
-    narrow = 2 ** layout[0][1] - 1
+    narrow_bits = layout[0][1]
+    verdict_bits = WORD_BITS - bucket_bits - narrow_bits
+    low_bits = WORD_BITS - verdict_bits  # the bits of the verdict a fresh word supplies
     done = 0
     while done < count:
         wanted = min(count - done, _CHUNK)
         size = int(wanted * _OVERDRAW) + 64
         word = words(size, device)
-        bucket = word >> shift
-        value = torch.index_select(table.start, 0, bucket).add_(word & narrow)
-        verdict = words(size, device)
+        bucket = word >> (WORD_BITS - bucket_bits)
+        value = torch.index_select(table.start, 0, bucket).add_(word & (2**narrow_bits - 1))
+        verdict = (word >> narrow_bits) & (2**verdict_bits - 1)
         keep = verdict < torch.index_select(table.sure, 0, bucket)
         late = ((verdict < torch.index_select(table.never, 0, bucket)) ^ keep).nonzero().squeeze(1)
         if late.numel():
             late_bucket = bucket[late]
-            late_value = table.start[late_bucket] + (word[late] & table.mask[table.block[late_bucket]])  # wide blocks
+            fresh = words(late.numel(), device)
+            wider = table.mask[table.block[late_bucket]] >> narrow_bits  # 0 for a narrow block
+            late_value = value[late] + (((fresh >> low_bits) & wider) << narrow_bits)
             value[late] = late_value
             p = acceptance(late_value, late_bucket, table)
-            kept = verdict[late] < (p * 2.0**WORD_BITS).to(torch.int64)  # exact for p >= 2^-9 (see bernoulli)
+            uniform = (verdict[late] << low_bits) | (fresh & (2**low_bits - 1))  # the trial's whole 62-bit number
+            kept = uniform < (p * 2.0**WORD_BITS).to(torch.int64)  # exact for p >= 2^-9 (see bernoulli)
             rare = ((p < 2.0**-_PREFIX_BITS) & (p > 0)).nonzero().squeeze(1)
             if rare.numel():  # far tails: a trial of its own, from fresh words
                 kept[rare] = bernoulli(p[rare], words)

@@ -291,17 +291,21 @@ def test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error(scale)
 
 @pytest.mark.parametrize("scale", [2.0**30, 1.61 * 2**30, 2.0**31 - 1.0])
 def test_early_decisions_are_those_of_the_acceptance(scale):
-    """Most proposals are kept or dropped from the integer thresholds ``sure`` / ``never`` alone; for that to leave
-    the law unchanged, every word below ``sure`` must be below ``acceptance * 2^62`` and every word at or above
-    ``never`` not, wherever the proposal lies in its block (checked at both ends and inside each block)."""
+    """Most proposals are kept or dropped from the top bits of their trial's uniform number alone (below ``sure``,
+    at or above ``never``, on the grid of the bits not yet read); for that to leave the law unchanged, every number
+    decided early as kept must lie below ``acceptance * 2^62`` and every one decided as dropped at or above it,
+    wherever the proposal lies in its block (checked at both ends and inside each block)."""
     table = exact_noise.proposal_table(torch.tensor(scale, dtype=torch.float64))
-    early = (table.sure > 0) | (table.never < 2**exact_noise.WORD_BITS)
+    verdict_bits = exact_noise.WORD_BITS - exact_noise.BUCKET_BITS - exact_noise.RELEASE_LAYOUT[0][1]
+    unread = 2 ** (exact_noise.WORD_BITS - verdict_bits)
+    early = (table.sure > 0) | (table.never < 2**verdict_bits)
     assert early.double().mean().item() > 0.99  # the fast path is the common one
     buckets = early.nonzero().squeeze(1)
     for offset in (0.0, 0.25, 0.5, 0.999, 1.0):
         y = table.start[buckets] + (table.mask[table.block[buckets]].double() * offset).long()
         threshold = (exact_noise.acceptance(y, buckets, table) * 2.0**exact_noise.WORD_BITS).to(torch.int64)
-        assert bool((table.sure[buckets] <= threshold).all()) and bool((threshold <= table.never[buckets]).all())
+        assert bool((table.sure[buckets] * unread <= threshold).all())
+        assert bool((threshold <= table.never[buckets] * unread).all())
 
 
 def test_discrete_gaussian_draws_each_row_at_its_own_scale():

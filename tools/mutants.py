@@ -204,6 +204,14 @@ MUTANTS = (
         "the sampler's acceptance within a block computed from the distance to the anchor, not the density ratio",
     ),
     Mutant(
+        "sampler_early_drop_rounded_down",
+        "lightning_oso/exact_noise.py",
+        "never = torch.where(late, 2**verdict_bits, (highest + (2**low_bits - 1)) >> low_bits)",
+        "never = torch.where(late, 2**verdict_bits, highest >> low_bits)",
+        ("tests/test_exact_release.py::test_early_decisions_are_those_of_the_acceptance",),
+        "the sampler's early rejection threshold rounded down: trials the acceptance would keep are dropped unread",
+    ),
+    Mutant(
         "charged_at_nu_g",
         "lightning_oso/callbacks/base.py",
         "self._step_noise_multiplier = self._active_rule.noise_multiplier",
