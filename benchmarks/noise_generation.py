@@ -4,7 +4,9 @@ Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and t
 
     python benchmarks/noise_generation.py [--numbers 670000] [--repeats 7] [--threads 1] [--device cpu]
 
-Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``),
+Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``)
+from each word source (the keyed numpy words of the CPU noise streams, a torch generator as on an accelerator, the
+secure one),
 counts the 62-bit words each draw consumes, prints a table and writes JSON. Medians over the repeats, the samplers
 interleaved. ``normal_`` is not what the private step draws (its low-order bits and its 5.77-sigma cut-off leak;
 docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with.
@@ -20,10 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lightning_oso import exact_noise
-from lightning_oso.randomness import SecureRandom, words_of
+from lightning_oso.randomness import KeyedWords, SecureRandom, words_of
 
 
 def cks20_discrete_gaussian(count: int, s: torch.Tensor, words: exact_noise.Words, laplace_bits: int = 31):
@@ -82,8 +85,15 @@ def main() -> None:
     scale = torch.tensor(1.5 * 2.0**exact_noise.GRID_BITS, dtype=torch.float64, device=args.device)
     torch_generator = torch.Generator(device=args.device).manual_seed(0)
     secure = SecureRandom()
-    tallies = {name: [0] for name in ("exact, torch generator", "exact, secure", "CKS20 Laplace proposal")}
+    keyed = KeyedWords(np.random.SeedSequence(0))
+    tallies = {
+        name: [0]
+        for name in ("exact, keyed numpy words", "exact, torch generator", "exact, secure", "CKS20 Laplace proposal")
+    }
     draws = {
+        "exact, keyed numpy words": lambda: exact_noise.discrete_gaussian(
+            (args.numbers,), scale, _counting(words_of(keyed), tallies["exact, keyed numpy words"])
+        ),
         "exact, torch generator": lambda: exact_noise.discrete_gaussian(
             (args.numbers,), scale, _counting(words_of(torch_generator), tallies["exact, torch generator"])
         ),

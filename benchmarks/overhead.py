@@ -4,6 +4,7 @@ Models: the demo CNN (digits, 8x8), an MLP, a small transformer encoder (embeddi
 LayerNorm, linear layers), a conv net with GroupNorm, and GPT-2 (transformers' ``GPT2LMHeadModel`` from a config,
 random weights: 2 layers, d=128, 4 heads, 5000 tokens, 64 positions; its layers transformers' ``Conv1D``, its token
 embedding tied to its output layer) trained as a causal LM, each record's loss the mean of its next-token losses;
+the OSO paper's MNIST CNN (``mnist_cnn``, Table 5 without the ReLU on its logits, 551,322 parameters, 28x28 images);
 and two built from torch's own sequence layers, which Opacus refuses: the same transformer encoder with
 ``nn.TransformerEncoder`` (``torch_transformer``) and an ``nn.LSTM`` language model (``lstm_lm``).
 Variants, measured side by side in one process and interleaved (each repeat runs every variant once, in rotating
@@ -202,6 +203,31 @@ class LSTMLanguageModel(nn.Module):
         return self.out(self.lstm(self.tokens(x))[0])
 
 
+class PaperMNISTCNN(nn.Module):
+    """The OSO paper's MNIST CNN (its Table 5, without the ReLU on the logits, as ``examples/mnist_full.py`` trains
+    it): Conv 16x8x8 (padding 3) - ReLU - MaxPool 2x2 stride 1 - Conv 32x4x4 - ReLU - Linear 32 - ReLU - Linear 10,
+    551,322 parameters, on 28x28 images."""
+
+    input_shape, classes = (1, 28, 28), 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 8, stride=1, padding=3),
+            nn.ReLU(),
+            nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4, stride=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 23 * 23, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
 class GroupNormCNN(nn.Module):
     """CIFAR-sized conv net with GroupNorm (the BatchNorm replacement DP needs): 32-32-64-64 channels, 3x3."""
 
@@ -278,6 +304,7 @@ BENCHMARKED: dict[str, type[nn.Module]] = {
     "gpt2": GPT2,
     "torch_transformer": TorchTransformer,
     "lstm_lm": LSTMLanguageModel,
+    "mnist_cnn": PaperMNISTCNN,
 }
 #: the models trained on token sequences with the next-token loss
 CAUSAL_LMS = (GPT2, LSTMLanguageModel)
@@ -711,13 +738,14 @@ def _rows_of(key: tuple, times: dict, failed: dict, memory: dict, verbose: bool 
     """The rows of one (model, batch size, precision): each variant's median step, its ratio to its framework's
     non-private step, and its peak memory where measured; a variant that failed there is "not supported"."""
     m, b, p = key
+    measured = [v for v in variants_of(m) if (m, b, p, v) in times]  # --variants may leave some out
     medians = {
         v: statistics.median(times[(m, b, p, v)])
-        for v in variants_of(m)
+        for v in measured
         if (m, b, p, v) not in failed and times[(m, b, p, v)]
     }
     rows = []
-    for v in variants_of(m):
+    for v in measured:
         base = "non_private" if v in OURS else "torch_non_private"
         row: dict[str, Any] = {"model": m, "batch_size": b, "variant": v, "precision": p}
         if v not in medians:
@@ -798,6 +826,7 @@ def main() -> None:
         default=10_000,
         help="also time Opacus' get_noise_multiplier up to this T (it takes minutes at 1e5)",
     )
+    parser.add_argument("--variants", nargs="+", default=None, help="only these variants (default: all of a model's)")
     parser.add_argument("--quick", action="store_true", help="batch 64 only, 12 steps, 2 repeats")
     parser.add_argument("--out", default=None)
     parser.add_argument(
@@ -820,12 +849,16 @@ def main() -> None:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     out = Path(args.out or f"benchmarks/results/overhead_{args.device.split(':')[0]}")
     keys = [(m, b, p) for m in args.models for b in args.batch_sizes for p in args.precision]
-    times = {(*key, v): [] for key in keys for v in variants_of(key[0])}
+
+    def chosen(model: str) -> tuple[str, ...]:
+        return tuple(v for v in variants_of(model) if args.variants is None or v in args.variants)
+
+    times = {(*key, v): [] for key in keys for v in chosen(key[0])}
     failed: dict[tuple, str] = {}  # a variant that cannot run in a setting: not retried, reported as not supported
     started = time.perf_counter()
     for repeat in range(args.repeats):
         for m, b, p in keys:
-            variants = variants_of(m)
+            variants = chosen(m)
             for v in variants[repeat % len(variants) :] + variants[: repeat % len(variants)]:
                 if (m, b, p, v) in failed:
                     continue
@@ -843,7 +876,7 @@ def main() -> None:
         write_report(_result(args, partial, [], repeats=repeat + 1), out)
     rows = []
     for m, b, p in keys:
-        ran = [v for v in variants_of(m) if (m, b, p, v) not in failed]
+        ran = [v for v in variants_of(m) if (m, b, p, v) in times and (m, b, p, v) not in failed]
         memory: dict[str, float | None] = {}
         if not args.no_memory:
             memory = {v: peak_memory_mb(v, m, b, 8, args.device, p) for v in ran}

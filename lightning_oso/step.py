@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_oso import exact_noise
 from lightning_oso.per_sample.parts import sum_dtype
-from lightning_oso.randomness import SecureRandom, words_of
+from lightning_oso.randomness import Generator, words_of
 
 if TYPE_CHECKING:
     from lightning_oso.clipping import ClippingRule
@@ -391,9 +391,7 @@ def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------- noise
-def add_gaussian_noise(
-    sums: Sequence[Tensor], stds: Tensor, generator: torch.Generator | SecureRandom | None = None
-) -> list[Tensor]:
+def add_gaussian_noise(sums: Sequence[Tensor], stds: Tensor, generator: Generator | None = None) -> list[Tensor]:
     """Release row ``k`` of every parameter's sums on the grid of ``stds[k]`` with exact discrete Gaussian noise of
     standard deviation ``stds[k]`` (``exact_noise.release_on_grid``): new float64 tensors, inputs untouched. The rows
     of all parameters are released as one vector per row, all rows in one draw."""
@@ -405,7 +403,7 @@ def add_gaussian_noise(
     return [part.reshape(s.shape) for part, s in zip(noisy.split([s[0].numel() for s in sums], dim=1), sums)]
 
 
-def gaussian_noise(generator: torch.Generator | SecureRandom | None = None) -> AddNoise:
+def gaussian_noise(generator: Generator | None = None) -> AddNoise:
     """The noise stage of a process that draws the noise itself, from ``generator`` (torch's default one for
     ``None``): :func:`add_gaussian_noise`."""
 

@@ -31,6 +31,25 @@ def test_keyed_words_reproduce_and_secure_words_are_the_secure_generators():
     assert words_of(secure) == secure.words
 
 
+def test_cpu_noise_streams_are_keyed_numpy_words_uniform_and_independent_per_step():
+    """The CPU noise streams are numpy PCG64DXSM words keyed by the stream's seed sequence: the same key gives the
+    same words, the next step's key others; each word is 62 uniform bits (every bit fair, the words uniform)."""
+    from lightning_oso.randomness import DIRECTION, NOISE, SAMPLING, KeyedWords, RunRandomness
+
+    run = RunRandomness(3)
+    assert isinstance(run.generator(NOISE, 4), KeyedWords) and isinstance(run.generator(DIRECTION, 4), KeyedWords)
+    assert isinstance(run.generator(SAMPLING, 4), torch.Generator)  # the sampler draws floats and integers from it
+    cpu = torch.device("cpu")
+    first = words_of(run.generator(NOISE, 4))(100_000, cpu)
+    assert torch.equal(first, words_of(run.generator(NOISE, 4))(100_000, cpu))
+    assert not torch.equal(first, words_of(run.generator(NOISE, 5))(100_000, cpu))
+    assert not torch.equal(first, words_of(run.generator(DIRECTION, 4))(100_000, cpu))
+    assert int(first.min()) >= 0 and int(first.max()) < 2**62
+    for bit in (0, 20, 41, 61):
+        assert ((first >> bit) & 1).double().mean().item() == pytest.approx(0.5, abs=5 * 0.5 / 100_000**0.5)
+    assert stats.kstest((first.double() / 2.0**62).numpy(), "uniform").pvalue > 1e-7
+
+
 def test_secure_poisson_sampling_has_the_binomial_batch_sizes():
     sampler = PoissonBatchSampler(num_samples=1000, sample_rate=0.05, steps=400, seed=None)
     sizes = np.array([len(batch) for batch in sampler])
@@ -71,8 +90,12 @@ def test_no_two_streams_of_a_run_or_a_world_coincide_or_correlate():
                 for rank in range(4):
                     for step in range(12):
                         generator = run.generator(purpose, step, rank)
-                        states.add(_mt_words(generator))
-                        draws.append(torch.randn(400, generator=generator, dtype=torch.float64))
+                        if isinstance(generator, torch.Generator):
+                            states.add(_mt_words(generator))
+                        else:  # the CPU noise streams: numpy words; their PCG state is their key's
+                            states.add(repr(generator._bits.state["state"]))
+                        words = words_of(generator)(400, torch.device("cpu"))
+                        draws.append(words.double() / 2.0**62)
     assert len(states) == len(draws) == 2 * 2 * 2 * 4 * 12
     correlations = torch.corrcoef(torch.stack(draws))
     off_diagonal = correlations[~torch.eye(len(draws), dtype=torch.bool)]
@@ -91,7 +114,8 @@ def test_released_noise_does_not_reveal_the_batches():
     for step in range(5):
         sampled = torch.rand(n, generator=run.generator(SAMPLING, step)) < q
         for noise_step in range(5):
-            guess = torch.rand(n, generator=run.generator(NOISE, noise_step)) < q  # the attacker's replay
+            noise_words = words_of(run.generator(NOISE, noise_step))(n, torch.device("cpu"))
+            guess = noise_words.double() / 2.0**62 < q  # the attacker's replay of the noise stream's bits
             hits.append((guess & sampled).sum().item() / sampled.sum().item())
     assert max(abs(h - q) for h in hits) < 0.03  # true positive rate at chance (q), not 0.92
 
