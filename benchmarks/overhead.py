@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibration import calibration_times
 
 from lightning_oso import OSODP, FixedThresholdDP, exact_noise, per_sample
+from lightning_oso.randomness import NOISE, RunRandomness, words_of
 
 OURS = ("non_private", "floor", "fixed_clip", "oso", "oso_hooks")
 OPACUS = ("torch_non_private", "opacus_hooks", "opacus_ghost")
@@ -377,11 +378,12 @@ class _Floor(L.Callback):
     The norms are the strategy's (``per_sample.attach`` with the book-keeping hooks and a mean loss; after backward,
     ``per_sample.source(...).norms()``, then ``release()``), but the hooks are not frozen as the strategy freezes
     them: autograd's weight gradients stay, for the non-private update. The noise is the exact release's: discrete
-    Gaussian integers at the release's scale (``exact_noise.discrete_gaussian``), as the private step draws them
-    whatever the precision."""
+    Gaussian integers at the release's scale (``exact_noise.discrete_gaussian``) from the step's noise stream
+    (``RunRandomness``), as the private step draws them whatever the precision."""
 
     def setup(self, trainer, pl_module, stage):
         self.hooks = per_sample.attach(pl_module, "book_keeping", "mean")
+        self.randomness, self.step = RunRandomness(0), 0
 
     def on_train_start(self, trainer, pl_module):
         self.params = [p for group in trainer.optimizers[0].param_groups for p in group["params"] if p.requires_grad]
@@ -392,7 +394,9 @@ class _Floor(L.Callback):
         norms.norms()
         norms.release()
         scale = torch.tensor(1.5 * 2.0**exact_noise.GRID_BITS, dtype=torch.float64, device=pl_module.device)
-        exact_noise.discrete_gaussian((self.size,), scale, exact_noise.torch_words(None))
+        self.step += 1
+        stream = self.randomness.generator(NOISE, self.step, device=pl_module.device)  # the release's word source
+        exact_noise.discrete_gaussian((self.size,), scale, words_of(stream))
 
     def teardown(self, trainer, pl_module, stage):
         per_sample.detach(self.hooks)
