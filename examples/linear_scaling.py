@@ -132,12 +132,12 @@ def linear_scaling(budget: float, args, seed: int):
 
     search = LinearScalingSearch(
         train,
-        budget,
-        args.delta,
-        1.0,
-        tuple(args.r_range),
-        args.eta_max,
-        args.steps_max,
+        target_epsilon=budget,
+        target_delta=args.delta,
+        sample_rate=1.0,
+        r_range=tuple(args.r_range),
+        eta_max=args.eta_max,
+        steps_max=args.steps_max,
         sweep_epsilons=(0.1, 0.2),
         runs_per_sweep=args.runs_per_sweep,
         seed=_streams(seed, budget, "linear_scaling"),

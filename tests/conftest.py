@@ -1,11 +1,31 @@
-"""Fixtures only: the shared helpers (ToyModel, toy_data, toy_loader, make_trainer, ...) live in helpers.py."""
+"""Fixtures, and the hypothesis profile of the property-based tests; the shared helpers (ToyModel, toy_data,
+toy_loader, make_trainer, ...) live in helpers.py."""
+
+import os
 
 import lightning.pytorch as L
 import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_loader
+from hypothesis import HealthCheck, settings
 
 from lightning_oso import OSODP
+
+# The property-based tests (test_properties.py) run the same examples on every run and every machine: derandomized
+# (the examples follow from each test's code, not from a random seed or a database of past failures), a modest number
+# of examples, no deadline (a CPU shared with other jobs makes example times vary). HYPOTHESIS_PROFILE=explore draws
+# fresh random examples, many more of them, to look for counterexamples locally.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=12,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", max_examples=300, deadline=None, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

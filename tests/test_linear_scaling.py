@@ -23,6 +23,9 @@ from lightning_oso.search import (
 )
 from lightning_oso.validation import PrivacyConfigurationError
 
+#: the budget and limits the selection tests share: epsilon 2 at delta 1e-5, full batches, eta at most 1
+_PLAN = dict(target_epsilon=2.0, target_delta=1e-5, sample_rate=1.0, eta_max=1.0)
+
 
 def test_decompose_keeps_the_product_within_the_limits():
     assert decompose(5.0, 1.0, 100) == (1.0, 5)
@@ -294,7 +297,7 @@ def test_the_selection_is_randomised_in_a_whole_run_and_charged_beside_the_runs(
     best_chosen = []
     for seed in range(4):
         search = LinearScalingSearch(
-            train, 2.0, 1e-5, 1.0, (0.5, 200.0), 1.0, 200, runs_per_sweep=4, seed=seed, selection_epsilon=1e-6
+            train, **_PLAN, r_range=(0.5, 200.0), steps_max=200, runs_per_sweep=4, seed=seed, selection_epsilon=1e-6
         )
         result = search.run()
         for k, phase in enumerate(("sweep 1", "sweep 2")):
@@ -357,7 +360,7 @@ def test_a_score_that_is_not_one_value_per_record_is_refused_and_the_message_rev
         return 0.8125
 
     with pytest.raises(PrivacyConfigurationError, match="one value per training record"):
-        LinearScalingSearch(scalar, 2.0, 1e-5, 1.0, (0.5, 50.0), 1.0, 50, runs_per_sweep=2, seed=0).run()
+        LinearScalingSearch(scalar, **_PLAN, r_range=(0.5, 50.0), steps_max=50, runs_per_sweep=2, seed=0).run()
 
 
 def test_public_selection_is_exact_uncharged_and_said_so():
@@ -369,7 +372,7 @@ def test_public_selection_is_exact_uncharged_and_said_so():
         return -abs(math.log(hparams["eta"] * hparams["steps"]) - math.log(10.0))
 
     result = LinearScalingSearch(
-        train, 2.0, 1e-5, 1.0, (0.5, 200.0), 1.0, 200, runs_per_sweep=4, seed=0, selection="public"
+        train, **_PLAN, r_range=(0.5, 200.0), steps_max=200, runs_per_sweep=4, seed=0, selection="public"
     ).run()
     for k, phase in enumerate(("sweep 1", "sweep 2")):
         runs = [t for t in result.trials if t.phase == phase]

@@ -167,12 +167,13 @@ def test_runs_sharing_a_ledger_never_share_noise_even_with_one_seed():
     torch.testing.assert_close(_noise_of(FixedThresholdDP(**alone)), _noise_of(FixedThresholdDP(**alone)))
 
 
-@pytest.mark.parametrize("accounting", ["composition", "random_stopping"])
-def test_search_runs_get_their_own_streams(accounting):
+@pytest.mark.parametrize("stopping", [False, True], ids=["composition", "random_stopping"])
+def test_search_runs_get_their_own_streams(stopping):
     """HonestGridSearch with two identical candidates: each run gets a child seed of its own (random stopping even
     gives each run a fresh ledger), so the runs' noise is independent; the same search seed reproduces them. Seed 5
     makes random stopping draw two runs (seed 7 drew one, and the pairwise check then checked nothing)."""
     from lightning_oso import FixedThresholdDP, HonestGridSearch
+    from lightning_oso.search import Composition, RandomStopping
 
     def search(seed):
         noises = []
@@ -188,8 +189,7 @@ def test_search_runs_get_their_own_streams(accounting):
             target_delta=1e-4,
             sample_rate=0.1,
             steps_per_run=10,
-            accounting=accounting,
-            stop_probability=0.5,
+            accounting=RandomStopping(stop_probability=0.5) if stopping else Composition(),
             progress=False,
             seed=seed,
         ).run()

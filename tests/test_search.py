@@ -2,6 +2,7 @@
 direct composition, runs through Lightning, random stopping's guarantee and its blow-up, noisy selection, and the
 train_fn contract."""
 
+import dataclasses
 import math
 import warnings
 
@@ -20,7 +21,11 @@ from lightning_oso import (
     compute_epsilon,
 )
 from lightning_oso.search import (
+    BestScore,
+    Composition,
     HonestGridSearch,
+    NoisyMax,
+    RandomStopping,
     grid,
     log_grid,
     noisy_argmax,
@@ -29,6 +34,11 @@ from lightning_oso.search import (
 )
 
 STEPS = 10  # per run: 200 records, batch 20 -> q = 0.1, one epoch
+
+
+def _budget(epsilon, delta=1e-4, q=0.1, steps=STEPS):
+    """The search's budget and plan as keyword arguments."""
+    return dict(target_epsilon=epsilon, target_delta=delta, sample_rate=q, steps_per_run=steps)
 
 
 def _train(hparams, dp):
@@ -114,7 +124,15 @@ def test_the_guide_grid_with_five_seeds_meets_its_budget_over_every_run():
     q, steps, delta = 64 / 1257, 200, 1e-5
     candidates = grid(lr=log_grid(10**-2.5, 10**1.5, 5), clip=log_grid(1e-2, 1e2, 5))
     search = HonestGridSearch(
-        candidates, _charge(q, steps), 3.0, delta, q, steps, seeds=range(5), seed=0, progress=False
+        candidates,
+        _charge(q, steps),
+        target_epsilon=3.0,
+        target_delta=delta,
+        sample_rate=q,
+        steps_per_run=steps,
+        seeds=range(5),
+        seed=0,
+        progress=False,
     )
     result = search.run()
     nu = result.noise_multiplier
@@ -144,7 +162,7 @@ def test_uncharged_seeds_warn_and_still_report_what_every_run_spent():
     candidates = grid(lr=[0.1, 0.5, 2.0])
     with pytest.warns(UserWarning, match="charge_seeds=False: the noise is calibrated so that one seed's pass") as w:
         search = HonestGridSearch(
-            candidates, _charge(q, STEPS), 2.0, delta, q, STEPS, seeds=(0, 1, 2), charge_seeds=False, progress=False
+            candidates, _charge(q, STEPS), **_budget(2.0, delta, q), seeds=(0, 1, 2), charge_seeds=False, progress=False
         )
     result = search.run()
     nu = result.noise_multiplier
@@ -158,9 +176,9 @@ def test_uncharged_seeds_warn_and_still_report_what_every_run_spent():
     # one seed: nothing to warn about (the one pass is the whole search)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        HonestGridSearch(candidates, _charge(q, STEPS), 2.0, delta, q, STEPS, charge_seeds=False, progress=False)
+        HonestGridSearch(candidates, _charge(q, STEPS), **_budget(2.0, delta, q), charge_seeds=False, progress=False)
     with pytest.raises(PrivacyConfigurationError, match="charge_seeds"):
-        HonestGridSearch(candidates, _charge(q, STEPS), 2.0, delta, q, STEPS, charge_seeds="no")
+        HonestGridSearch(candidates, _charge(q, STEPS), **_budget(2.0, delta, q), charge_seeds="no")
 
 
 def test_random_stopping_charges_each_draw_with_all_its_seeds():
@@ -170,13 +188,9 @@ def test_random_stopping_charges_each_draw_with_all_its_seeds():
     search = HonestGridSearch(
         grid(lr=[0.5, 1.0]),
         _charge(q, STEPS),
-        4.0,
-        1e-4,
-        q,
-        STEPS,
+        **_budget(4.0, 1e-4, q),
         seeds=(0, 1),
-        accounting="random_stopping",
-        stop_probability=0.5,
+        accounting=RandomStopping(stop_probability=0.5),
         seed=3,
         progress=False,
     )
@@ -197,7 +211,7 @@ def test_a_run_that_ignores_the_budget_is_caught():
         ).fit(ToyModel(), toy_loader())
         return 0.0
 
-    search = HonestGridSearch([{"lr": 1.0}], careless, 2.0, 1e-4, 0.1, STEPS, progress=False)
+    search = HonestGridSearch([{"lr": 1.0}], careless, **_budget(2.0), progress=False)
     with pytest.raises(PrivacyConfigurationError, match="no step to the search's accountant"):
         search.run()
 
@@ -211,7 +225,7 @@ def test_a_run_longer_than_planned_is_caught_and_never_overspends():
         spent.append(callback.epsilon)
         return 0.0
 
-    search = HonestGridSearch([{"lr": 1.0}, {"lr": 2.0}], greedy, 2.0, 1e-4, 0.1, STEPS, progress=False)
+    search = HonestGridSearch([{"lr": 1.0}, {"lr": 2.0}], greedy, **_budget(2.0), progress=False)
     with pytest.raises(PrivacyConfigurationError, match="more than steps_per_run"):
         search.run()
     assert spent[0] <= 2.0  # the callback stopped it at the grid's budget (20 steps) all the same
@@ -227,7 +241,7 @@ def test_train_fn_gets_the_candidate_with_the_repeats_seed_and_the_callbacks_arg
         dp["accountant"].step(dp["noise_multiplier"], 0.1, STEPS)
         return {"score": hparams["lr"], "test": 1.0}
 
-    search = HonestGridSearch(grid(lr=[0.1, 0.2]), train, 2.0, 1e-4, 0.1, STEPS, seeds=(3, 4), seed=7, progress=False)
+    search = HonestGridSearch(grid(lr=[0.1, 0.2]), train, **_budget(2.0), seeds=(3, 4), seed=7, progress=False)
     result = search.run()
     assert [hparams for hparams, _ in calls] == [
         {"lr": 0.1, "seed": 3},
@@ -241,7 +255,7 @@ def test_train_fn_gets_the_candidate_with_the_repeats_seed_and_the_callbacks_arg
     assert len({dp["seed"].spawn_key for _, dp in calls}) == 4  # no two runs share their streams
     assert [(r.candidate, r.seed, r.metrics) for r in result.runs][:1] == [({"lr": 0.1}, 3, {"test": 1.0})]
     with pytest.raises(PrivacyConfigurationError, match="'seed' key"):
-        HonestGridSearch([{"lr": 0.1, "seed": 1}], train, 2.0, 1e-4, 0.1, STEPS)
+        HonestGridSearch([{"lr": 0.1, "seed": 1}], train, **_budget(2.0))
 
 
 def test_random_stopping_run_budget_meets_liu_and_talwars_closed_form():
@@ -273,8 +287,7 @@ def test_random_stopping_search_shows_the_blow_up():
         target_delta=1e-4,
         sample_rate=0.1,
         steps_per_run=STEPS,
-        accounting="random_stopping",
-        stop_probability=0.5,
+        accounting=RandomStopping(stop_probability=0.5),
         progress=False,
     )
     result = search.run()
@@ -286,7 +299,7 @@ def test_random_stopping_search_shows_the_blow_up():
     assert 4.0 / single > 3
     assert "blow-up" in result.report()
     # composing the two candidates directly needs less noise than random stopping does
-    grid_nu = HonestGridSearch(candidates, _train, 4.0, 1e-4, 0.1, STEPS, progress=False).noise_multiplier
+    grid_nu = HonestGridSearch(candidates, _train, **_budget(4.0), progress=False).noise_multiplier
     assert grid_nu < result.noise_multiplier
 
 
@@ -304,18 +317,15 @@ def test_noisy_argmax_is_the_exponential_mechanism():
 
 
 def test_noisy_selection_in_a_search_and_its_arguments():
+    with pytest.raises(TypeError, match="score_sensitivity"):
+        NoisyMax(1.0)  # type: ignore[call-arg]
     with pytest.raises(PrivacyConfigurationError, match="score_sensitivity"):
-        HonestGridSearch([{"lr": 1.0}], _train, 2.0, 1e-4, 0.1, STEPS, selection="noisy", selection_epsilon=1.0)
+        NoisyMax(1.0, 0.0)
     search = HonestGridSearch(
         grid(lr=[0.5, 1.0], clip=[1.0]),
         _train,
-        2.0,
-        1e-4,
-        0.1,
-        STEPS,
-        selection="noisy",
-        selection_epsilon=1.0,
-        score_sensitivity=1 / 200,
+        **_budget(2.0),
+        selection=NoisyMax(epsilon=1.0, score_sensitivity=1 / 200),
         progress=False,
     )
     result = search.run()
@@ -331,9 +341,14 @@ def test_noisy_selection_in_a_search_and_its_arguments():
         ({"seeds": ()}, "seeds"),
         ({"mode": "best"}, "mode"),
         ({"accounting": "lt"}, "accounting"),
+        ({"accounting": None}, "accounting"),
         ({"sample_rate": 1.5}, "sample_rate"),
         ({"target_epsilon": 0}, "target_epsilon"),
         ({"selection": "random"}, "selection"),
+        ({"selection": NoisyMax}, "selection"),
+        ({"stop_probability": 0.5}, "RandomStopping"),
+        ({"accounting": RandomStopping(), "delta_2": 1e-7}, "RandomStopping"),
+        ({"score_sensitivity": 0.1}, "NoisyMax"),
     ],
 )
 def test_search_arguments_are_checked(kwargs, name):
@@ -348,3 +363,69 @@ def test_search_arguments_are_checked(kwargs, name):
     args.update(kwargs)
     with pytest.raises(PrivacyConfigurationError, match=name):
         HonestGridSearch(**args)
+
+
+def test_the_search_takes_its_budget_by_keyword():
+    """Only the candidates and ``train_fn`` are positional: a budget passed by position is refused, not misread."""
+    with pytest.raises(TypeError, match="positional"):
+        HonestGridSearch([{"lr": 1.0}], _charge(0.1, STEPS), 2.0, 1e-4, 0.1, STEPS)  # type: ignore[misc]
+
+
+def test_the_typed_options_check_their_arguments_and_are_frozen():
+    for bad in (0.0, -0.5, 1.5, math.nan, "0.5"):
+        with pytest.raises(PrivacyConfigurationError, match="stop_probability"):
+            RandomStopping(stop_probability=bad)
+    with pytest.raises(PrivacyConfigurationError, match="delta_2"):
+        RandomStopping(delta_2=0.0)
+    with pytest.raises(PrivacyConfigurationError, match="epsilon"):
+        NoisyMax(epsilon=-1.0, score_sensitivity=0.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RandomStopping(0.5).stop_probability = 0.1  # type: ignore[misc]
+    assert RandomStopping(0.5) == RandomStopping(stop_probability=0.5) and Composition() == Composition()
+    # the search resolves random stopping's defaults, gamma = 1/K and delta_2 = target_delta / 10, into its option
+    search = HonestGridSearch(
+        grid(lr=[0.1, 0.5, 2.0, 4.0]),
+        _charge(0.1, STEPS),
+        **_budget(4.0),
+        accounting=RandomStopping(),
+        progress=False,
+    )
+    assert search.accounting == RandomStopping(stop_probability=0.25, delta_2=1e-5)
+    assert (search.stop_probability, search.delta_2) == (0.25, 1e-5)
+    assert isinstance(HonestGridSearch([{"lr": 1.0}], _train, **_budget(2.0)).selection, BestScore)
+
+
+@pytest.mark.parametrize(
+    "legacy, typed",
+    [
+        ({"accounting": "composition"}, {"accounting": Composition()}),
+        (
+            {"accounting": "random_stopping", "stop_probability": 0.5, "delta_2": 1e-6},
+            {"accounting": RandomStopping(stop_probability=0.5, delta_2=1e-6)},
+        ),
+        ({"selection": "best"}, {"selection": BestScore()}),
+        (
+            {"selection": "noisy", "selection_epsilon": 1.0, "score_sensitivity": 0.01},
+            {"selection": NoisyMax(epsilon=1.0, score_sensitivity=0.01)},
+        ),
+    ],
+)
+def test_the_deprecated_string_options_map_to_the_typed_ones(legacy, typed):
+    """The string values of ``accounting`` and ``selection`` (with their loose arguments) still run the same search,
+    with a ``DeprecationWarning`` that names the typed option and points at the caller's line."""
+    common = dict(**_budget(4.0), seeds=(0, 1), seed=5, progress=False)
+    candidates = grid(lr=[0.1, 0.5, 2.0])
+    with pytest.warns(DeprecationWarning, match=r"is deprecated: pass (accounting|selection)=") as caught:
+        old = HonestGridSearch(candidates, _charge(0.1, STEPS), **common, **legacy)
+    assert [w.filename for w in caught if w.category is DeprecationWarning] == [__file__]
+    option = next(iter(typed.values()))
+    assert repr(option).split("(")[0] in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = HonestGridSearch(candidates, _charge(0.1, STEPS), **common, **typed)
+    assert old.run().to_dict() == new.run().to_dict()
+
+
+def test_the_deprecated_noisy_selection_still_needs_its_sensitivity():
+    with pytest.raises(PrivacyConfigurationError, match="score_sensitivity"):
+        HonestGridSearch([{"lr": 1.0}], _train, **_budget(2.0), selection="noisy", selection_epsilon=1.0)

@@ -3,13 +3,15 @@
 - :mod:`~lightning_oso.search.harness`: what every search shares (the budget's checks, a seed per run spawned from
   the search's seed, running ``train_fn``, charging the run to the search's accounting) and the ``train_fn`` contract;
 - :mod:`~lightning_oso.search.grid`: the honest grid search (composition of all runs, or Liu-Talwar random stopping);
+- :mod:`~lightning_oso.search.options`: its typed options, how the runs are accounted (:class:`Composition`,
+  :class:`RandomStopping`) and how the winner is chosen (:class:`BestScore`, :class:`NoisyMax`);
 - :mod:`~lightning_oso.search.selection`: the maths of random stopping and of private selection (the exponential
   mechanism, and scores whose sensitivity is enforced);
 - :mod:`~lightning_oso.search.result`: what a grid search returns;
 - :mod:`~lightning_oso.search.linear_scaling`: the linear scaling rule (two sweeps, a fitted line, one final run).
 """
 
-from lightning_oso.search.grid import ACCOUNTINGS, SELECTIONS, HonestGridSearch, grid, log_grid
+from lightning_oso.search.grid import HonestGridSearch, grid, log_grid
 from lightning_oso.search.harness import PrivateSearch, RunOutcome, TrainFn
 from lightning_oso.search.linear_scaling import (
     LinearScalingResult,
@@ -17,6 +19,16 @@ from lightning_oso.search.linear_scaling import (
     Trial,
     decompose,
     fit_line,
+)
+from lightning_oso.search.options import (
+    ACCOUNTINGS,
+    SELECTIONS,
+    Accounting,
+    BestScore,
+    Composition,
+    NoisyMax,
+    RandomStopping,
+    Selection,
 )
 from lightning_oso.search.result import RunRecord, SearchResult
 from lightning_oso.search.selection import (
@@ -35,13 +47,19 @@ __all__ = [
     "ACCOUNTINGS",
     "SCORE_UNITS",
     "SELECTIONS",
+    "Accounting",
+    "BestScore",
+    "Composition",
     "HonestGridSearch",
     "LinearScalingResult",
     "LinearScalingSearch",
+    "NoisyMax",
     "PrivateSearch",
+    "RandomStopping",
     "RunOutcome",
     "RunRecord",
     "SearchResult",
+    "Selection",
     "TrainFn",
     "Trial",
     "bounded_score",

@@ -4,20 +4,22 @@
 Every run is charged, the repeats of a candidate with other seeds included: each of them trains on the data and
 moves the averaged score that picks the winner. Two accountings:
 
-- ``"composition"`` (default): ``K`` candidates times ``S`` seeds of ``T`` steps each are one composition of
-  ``K*S*T`` subsampled Gaussian steps. One noise multiplier is calibrated for the whole search, and every run
-  continues one shared :class:`~lightning_oso.PrivacyAccountant`, so each run's DP callback enforces the *search's*
-  budget.
-- ``"random_stopping"``: Liu and Talwar's algorithm (their Theorem 3.4; Theorem 1 in Mohapatra et al.): candidates are
-  drawn at random with replacement, a ``gamma``-coin stops the search, at most ``Upsilon = log(1/delta_2)/gamma``
-  draws. Each draw (a candidate trained with all the seeds) gets ``(eps_1, delta_1)`` with
-  ``eps_f = 3 eps_1 + 3 sqrt(2 delta_1)`` and ``delta_f = sqrt(2 delta_1) Upsilon + delta_2``; the report shows the
-  blow-up of that guarantee.
+- :class:`~lightning_oso.search.Composition` (default): ``K`` candidates times ``S`` seeds of ``T`` steps each are
+  one composition of ``K*S*T`` subsampled Gaussian steps. One noise multiplier is calibrated for the whole search,
+  and every run continues one shared :class:`~lightning_oso.PrivacyAccountant`, so each run's DP callback enforces
+  the *search's* budget.
+- :class:`~lightning_oso.search.RandomStopping`: Liu and Talwar's algorithm (their Theorem 3.4; Theorem 1 in
+  Mohapatra et al.): candidates are drawn at random with replacement, a ``gamma``-coin stops the search, at most
+  ``Upsilon = log(1/delta_2)/gamma`` draws. Each draw (a candidate trained with all the seeds) gets
+  ``(eps_1, delta_1)`` with ``eps_f = 3 eps_1 + 3 sqrt(2 delta_1)`` and ``delta_f = sqrt(2 delta_1) Upsilon +
+  delta_2``; the report shows the blow-up of that guarantee.
 
-Pure functions in :mod:`~lightning_oso.search.selection` hold the maths of random stopping and noisy selection;
+Pure functions in :mod:`~lightning_oso.search.selection` hold the maths of random stopping and noisy selection, and
+:mod:`~lightning_oso.search.options` the typed options that choose the accounting and the selection;
 :class:`HonestGridSearch` runs the candidates on the search harness
 (:class:`~lightning_oso.search.harness.PrivateSearch`: each run through the user's Lightning ``train_fn``) and keeps
-the ledgers.
+the ledgers. Its result comes in four parts: the scores' statistics (:func:`score_statistics`), the selection, the
+accounting (one method per accounting) and the report's notes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 import statistics
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,18 @@ from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrat
 from lightning_oso.accounting.events import total_steps
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn, format_hparams
+from lightning_oso.search.options import (
+    ACCOUNTINGS,
+    SELECTIONS,
+    Accounting,
+    BestScore,
+    Composition,
+    NoisyMax,
+    RandomStopping,
+    Selection,
+    accounting_option,
+    selection_option,
+)
 from lightning_oso.search.result import RunRecord, SearchResult
 from lightning_oso.search.selection import (
     max_random_stopping_draws,
@@ -43,10 +58,9 @@ from lightning_oso.search.selection import (
     random_stopping_guarantee,
     random_stopping_run_budget,
 )
-from lightning_oso.validation import check_bool, check_choice, check_int, check_number
+from lightning_oso.validation import check_bool, check_int, check_number
 
-ACCOUNTINGS = ("composition", "random_stopping")
-SELECTIONS = ("best", "noisy")
+__all__ = ["ACCOUNTINGS", "SELECTIONS", "HonestGridSearch", "grid", "log_grid"]
 
 
 # ----------------------------------------------------------------------------------------------------- grids
@@ -94,20 +108,21 @@ class HonestGridSearch(PrivateSearch):
             and the search warns (``UserWarning``) with what all the seeds together spend. ``epsilon_spent`` still
             reports that whole figure (above the target), ``epsilon_per_seed`` the one-seed figure.
         mode: ``"max"`` (accuracy) or ``"min"`` (loss) of the score.
-        accounting: ``"composition"`` (default) or ``"random_stopping"`` (Liu-Talwar).
-        stop_probability: ``gamma`` of random stopping (default ``1 / len(candidates)``).
-        delta_2: ``delta_2`` of random stopping (default ``target_delta / 10``).
+        accounting: :class:`~lightning_oso.search.Composition` ``()`` (default: every run in one composition) or
+            :class:`~lightning_oso.search.RandomStopping` ``(stop_probability, delta_2)`` (Liu-Talwar).
+        selection: :class:`~lightning_oso.search.BestScore` ``()`` (default: the best un-noised mean score, as in
+            the papers; the report says the choice is not covered) or :class:`~lightning_oso.search.NoisyMax`
+            ``(epsilon, score_sensitivity)`` (report-noisy-max, ``epsilon``-DP with respect to the validation set).
         accountant: ``"prv"`` or ``"rdp"``.
-        selection: ``"best"`` (default: argmax of the un-noised validation scores, as in the papers; the report
-            says the choice is not covered) or ``"noisy"`` (report-noisy-max, ``selection_epsilon``-DP with respect
-            to the validation set).
-        selection_epsilon: epsilon of noisy selection.
-        score_sensitivity: how much one validation record can move a (seed-averaged) score, e.g.
-            ``1 / len(validation set)`` for accuracy; needed for noisy selection.
         seed: the root of the search's randomness (an int, a ``numpy.random.SeedSequence``, or ``None`` for 128 bits
             from the operating system): every run's streams, the selection noise and random stopping's draws are
             derived from it.
         progress: show a progress bar over the runs (with the time left).
+        stop_probability: deprecated, with ``accounting="random_stopping"``: ``RandomStopping(stop_probability)``.
+        delta_2: deprecated, with ``accounting="random_stopping"``: ``RandomStopping(delta_2=...)``.
+        selection_epsilon: deprecated, with ``selection="noisy"``: ``NoisyMax(epsilon, ...)``.
+        score_sensitivity: deprecated, with ``selection="noisy"``: ``NoisyMax(..., score_sensitivity)``. The string
+            values of ``accounting`` and ``selection`` are mapped to the typed options with a ``DeprecationWarning``.
 
     Raises:
         PrivacyConfigurationError: for an invalid argument, or when the budget cannot cover the search.
@@ -141,6 +156,7 @@ class HonestGridSearch(PrivateSearch):
         self,
         candidates: Sequence[Mapping[str, Any]],
         train_fn: TrainFn,
+        *,
         target_epsilon: float,
         target_delta: float,
         sample_rate: float | Callable[[dict], float],
@@ -148,104 +164,76 @@ class HonestGridSearch(PrivateSearch):
         seeds: Sequence[int] = (0,),
         charge_seeds: bool = True,
         mode: str = "max",
-        accounting: str = "composition",
-        stop_probability: float | None = None,
-        delta_2: float | None = None,
+        accounting: Accounting | str = Composition(),  # noqa: B008 (a frozen dataclass: immutable, safe to share)
+        selection: Selection | str = BestScore(),  # noqa: B008 (the same)
         accountant: AccountantName = "prv",
-        selection: str = "best",
-        selection_epsilon: float | None = None,
-        score_sensitivity: float | None = None,
         seed: int | np.random.SeedSequence | None = None,
         progress: bool = True,
+        stop_probability: float | None = None,
+        delta_2: float | None = None,
+        selection_epsilon: float | None = None,
+        score_sensitivity: float | None = None,
     ) -> None:
         super().__init__(train_fn, target_epsilon, target_delta, mode, accountant, seed)
-        if not candidates:
-            raise PrivacyConfigurationError("candidates is empty: give at least one candidate")
-        if any("seed" in candidate for candidate in candidates):
-            raise PrivacyConfigurationError(
-                "candidates must not have a 'seed' key: the search passes the repeat's seed as hparams['seed']; "
-                "list the seeds in seeds="
-            )
+        self.candidates = _checked_candidates(candidates)
         self.steps_per_run = check_int("steps_per_run", steps_per_run, minimum=1)
         if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
             raise PrivacyConfigurationError(f"seeds must be a non-empty sequence of ints, got {seeds!r}")
-        self.accounting = check_choice("accounting", accounting, ACCOUNTINGS)
-        self.selection = check_choice("selection", selection, SELECTIONS)
-        if selection == "noisy":
-            if selection_epsilon is None or score_sensitivity is None:
-                raise PrivacyConfigurationError(
-                    "selection='noisy' needs selection_epsilon and score_sensitivity (how much one validation record "
-                    "can move a score, e.g. 1/len(validation set) for accuracy)"
-                )
-            check_number("selection_epsilon", selection_epsilon, positive=True)
-            check_number("score_sensitivity", score_sensitivity, positive=True)
-        self.candidates = [dict(c) for c in candidates]
-        rates = [sample_rate(c) if callable(sample_rate) else sample_rate for c in self.candidates]
-        for rate in rates:
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
-                raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {rate!r}")
-        self.sample_rates = [float(r) for r in rates]
+        self.accounting: Accounting = accounting_option(accounting, stop_probability, delta_2)
+        self.selection: Selection = selection_option(selection, selection_epsilon, score_sensitivity)
+        self.sample_rates = _sample_rates(sample_rate, self.candidates)
         self.seeds = list(seeds)
         self.charge_seeds = check_bool("charge_seeds", charge_seeds)
-        self.selection_epsilon = selection_epsilon
-        self.score_sensitivity = score_sensitivity
         self.progress = progress
-        if accounting == "random_stopping":
-            self.stop_probability = check_number(
-                "stop_probability",
-                1 / len(self.candidates) if stop_probability is None else stop_probability,
-                positive=True,
+        if isinstance(self.accounting, RandomStopping):
+            self._stopping = _RandomStoppingPlan.of(
+                self.accounting, len(self.candidates), self.target_epsilon, self.target_delta
             )
-            self.delta_2 = check_number("delta_2", target_delta / 10 if delta_2 is None else delta_2, positive=True)
-            try:
-                self.run_epsilon, self.run_delta = random_stopping_run_budget(
-                    self.target_epsilon, self.target_delta, self.stop_probability, self.delta_2
-                )
-            except ValueError as err:
-                raise PrivacyConfigurationError(str(err)) from err
+            self.accounting = RandomStopping(self._stopping.stop_probability, self._stopping.delta_2)  # resolved
+            self.stop_probability, self.delta_2 = self._stopping.stop_probability, self._stopping.delta_2
+            self.run_epsilon, self.run_delta = self._stopping.run_epsilon, self._stopping.run_delta
         self.noise_multiplier = self._calibrate()
         if not self.charge_seeds and len(self.seeds) > 1:
-            warnings.warn(
-                f"charge_seeds=False: the noise is calibrated so that one seed's pass over the grid meets "
-                f"target_epsilon={self.target_epsilon} (the OSO paper's protocol), but all {len(self.seeds)} seeds' "
-                f"runs train on the data and move the scores that pick the winner: together they spend "
-                f"epsilon={self._planned_epsilon():.4f} at delta={self.target_delta}. The result's epsilon_spent "
-                "reports that whole figure, epsilon_per_seed the one-seed figure; leave charge_seeds=True (the "
-                "default) for a search whose whole spend meets target_epsilon",
-                UserWarning,
-                stacklevel=2,
-            )
+            _warn_uncharged_seeds(self.target_epsilon, self.target_delta, len(self.seeds), self._planned_epsilon())
 
     # ------------------------------------------------------------------ planning
+    @property
+    def _repeats(self) -> int:
+        """The seeds each candidate's charge counts: all of them, or one with ``charge_seeds=False``."""
+        return len(self.seeds) if self.charge_seeds else 1
+
     def _calibrate(self) -> float:
         """The one noise multiplier of every run."""
-        repeats = len(self.seeds) if self.charge_seeds else 1
         try:
-            if self.accounting == "composition":
-                # K runs of T steps: one composition of K*T subsampled Gaussian steps
-                # (docs/algorithms.md, "Honest hyperparameter search")
-                return calibrate_noise_multiplier(
-                    self.target_epsilon,
-                    self.target_delta,
-                    self.sample_rates * repeats,
-                    [self.steps_per_run] * (len(self.candidates) * repeats),
-                    self.accountant,
+            if isinstance(self.accounting, RandomStopping):
+                # every run (all its seeds, if charged) meets (eps_1, delta_1)
+                return max(
+                    calibrate_noise_multiplier(
+                        self.run_epsilon, self.run_delta, rate, self.steps_per_run * self._repeats, self.accountant
+                    )
+                    for rate in set(self.sample_rates)
                 )
-            # random stopping: every run (all its seeds, if charged) meets (eps_1, delta_1)
-            return max(
-                calibrate_noise_multiplier(
-                    self.run_epsilon, self.run_delta, rate, self.steps_per_run * repeats, self.accountant
-                )
-                for rate in set(self.sample_rates)
-            )
+            return self._composition_noise()
         except ValueError as err:
             raise PrivacyConfigurationError(f"the budget cannot cover this search: {err}") from err
+
+    def _composition_noise(self) -> float:
+        """The noise multiplier for which the whole grid, ``K`` runs of ``T`` steps (times the charged seeds), meets
+        the budget as one composition of ``K*T`` subsampled Gaussian steps (docs/algorithms.md, "Honest
+        hyperparameter search")."""
+        return calibrate_noise_multiplier(
+            self.target_epsilon,
+            self.target_delta,
+            self.sample_rates * self._repeats,
+            [self.steps_per_run] * (len(self.candidates) * self._repeats),
+            self.accountant,
+        )
 
     def _planned_epsilon(self) -> float:
         """What the whole search spends if every run takes its ``T`` steps at the calibrated noise, all seeds
         included: the figure ``charge_seeds=False`` warns about."""
         seeds = len(self.seeds)
-        if self.accounting == "composition":
+        if isinstance(self.accounting, Composition):
             planned = [(self.noise_multiplier, rate, self.steps_per_run) for rate in self.sample_rates] * seeds
             return compute_epsilon(planned, self.target_delta, self.accountant)
         draw = max(
@@ -254,23 +242,23 @@ class HonestGridSearch(PrivateSearch):
             )
             for rate in set(self.sample_rates)
         )
-        return random_stopping_guarantee(draw, self.run_delta, self.stop_probability, self.delta_2)[0]
+        return self._stopping.guarantee(draw)[0]
 
     def _new_ledger(self) -> PrivacyAccountant:
-        return self.new_ledger(self.target_delta if self.accounting == "composition" else self.run_delta)
+        return self.new_ledger(self.target_delta if isinstance(self.accounting, Composition) else self.run_delta)
 
     def _dp_arguments(self, ledger: PrivacyAccountant) -> dict[str, Any]:
-        if self.accounting == "composition":
+        if isinstance(self.accounting, Composition):
             return self.dp_arguments(self.target_epsilon, self.target_delta, self.noise_multiplier, ledger)
         return self.dp_arguments(self.run_epsilon, self.run_delta, self.noise_multiplier, ledger)
 
     # ------------------------------------------------------------------ running
     def run(self) -> SearchResult:
         """Train the candidates, pick the winner, and account the whole search."""
-        if self.accounting == "composition":
-            order = list(range(len(self.candidates)))
-        else:
-            order = self._random_stopping_draws()
+        composition = isinstance(self.accounting, Composition)
+        order = (
+            list(range(len(self.candidates))) if composition else self._stopping.draws(self.candidates, self.generator)
+        )
         total = len(order) * len(self.seeds)
         self._epsilon_per_step = 0.0  # the largest the runs' callbacks charged (exact_noise.floating_point_epsilon)
         bar = _progress_bar(total, self.progress)
@@ -286,15 +274,12 @@ class HonestGridSearch(PrivateSearch):
         for draw, index in enumerate(order):
             draw_ledger = self._new_ledger() if self.charge_seeds else None
             for seed in self.seeds:
-                if self.accounting == "composition":
-                    ledger = per_seed[seed]
-                else:
-                    ledger = draw_ledger or self._new_ledger()
+                ledger = per_seed[seed] if composition else draw_ledger or self._new_ledger()
                 candidate = dict(self.candidates[index])
                 outcome = self.train({**candidate, "seed": seed}, self._dp_arguments(ledger))
                 # the exact release's floating-point term per step, which the runs' callbacks set on the accountant
                 self._epsilon_per_step = max(self._epsilon_per_step, ledger.epsilon_per_step)
-                self._check_run(candidate, outcome.steps)
+                _check_run(candidate, outcome.steps, self.steps_per_run)
                 records.append(RunRecord(candidate, seed, outcome.score, outcome.steps, outcome.metrics))
                 scores.setdefault(index, []).append(outcome.score)
                 charged.append((draw, seed, outcome.events))
@@ -303,126 +288,22 @@ class HonestGridSearch(PrivateSearch):
         bar.close()
         return self._result(order, scores, records, charged)
 
-    def _random_stopping_draws(self) -> list[int]:
-        """Candidates drawn uniformly with replacement until a ``gamma``-coin says stop, at most ``Upsilon``."""
-        cap = math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))
-        draws: list[int] = []
-        while len(draws) < cap:
-            draws.append(int(torch.randint(len(self.candidates), (1,), generator=self.generator)))
-            if torch.rand(1, generator=self.generator, dtype=torch.float64).item() < self.stop_probability:
-                break
-        return draws
-
-    def _check_run(self, candidate: dict, taken: int) -> None:
-        if taken == 0:
-            raise PrivacyConfigurationError(
-                f"the run of {format_hparams(candidate)} added no step to the search's accountant: train_fn must pass "
-                "its dp argument to the DP callback, e.g. OSODP(**dp)"
-            )
-        if taken > self.steps_per_run:
-            raise PrivacyConfigurationError(
-                f"the run of {format_hparams(candidate)} took {taken} steps, more than steps_per_run="
-                f"{self.steps_per_run}: set the Trainer's max_steps to steps_per_run (it would spend the budget of the "
-                "runs after it)"
-            )
-
+    # ------------------------------------------------------------------ the result
     def _result(
-        self,
-        order: list[int],
-        scores: dict[int, list[float]],
-        records: list[RunRecord],
-        charged: list[tuple[int, int, tuple]],
+        self, order: list[int], scores: dict[int, list[float]], records: list[RunRecord], charged: list[Charge]
     ) -> SearchResult:
-        means, stds = [], []
-        for index in range(len(self.candidates)):
-            values = scores.get(index)
-            if not values:
-                means.append(math.nan)
-                stds.append(math.nan)
-                continue
-            means.append(statistics.fmean(values))
-            stds.append(statistics.pstdev(values) if len(values) > 1 else 0.0)
-        drawn = sorted(scores)
-        if self.selection == "noisy":
-            assert self.selection_epsilon is not None and self.score_sensitivity is not None  # checked in __init__
-            signed = [self.signed(means[i]) for i in drawn]
-            winner = drawn[noisy_argmax(signed, self.selection_epsilon, self.score_sensitivity, self.generator)]
+        """Statistics of the scores, the winner, what the search spent, and what its report says beside."""
+        means, stds = score_statistics(scores, len(self.candidates))
+        winner = self._select(sorted(scores), means)
+        if isinstance(self.accounting, Composition):
+            epsilon, per_seed, details = self._account_composition(charged)
         else:
-            winner = self.best(drawn, means)
-
-        uncharged = []
-        details: dict[str, Any] = {}
-        seeds = len(self.seeds)
-
-        def spent(runs: list[tuple[int, int, tuple]], delta: float) -> float:
-            events = [event for _, _, events in runs for event in events]
-            # the accountant's epsilon plus the exact release's floating-point term of every step (exact_noise)
-            return compute_epsilon(events, delta, self.accountant) + self._epsilon_per_step * total_steps(events)
-
-        if self.accounting == "composition":
-            # every run of every seed: one composition
-            epsilon = spent(charged, self.target_delta)
-            per_seed = max(spent([r for r in charged if r[1] == seed], self.target_delta) for seed in self.seeds)
-            details["runs charged"] = (
-                f"{len(charged)} runs ({len(self.candidates)} candidates x {seeds} seed(s)) of at most "
-                f"{self.steps_per_run} steps ({sum(total_steps(events) for *_, events in charged)} steps accounted)"
-            )
-            single = compute_epsilon(
-                [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)], self.target_delta, self.accountant
-            )
-            details["one run alone at this noise"] = f"epsilon={single:.4f}"
-        else:
-            # Theorem 1 on what each draw (a candidate with all its seeds) actually spent, at delta_1
-            epsilon_1 = max(spent([r for r in charged if r[0] == draw], self.run_delta) for draw in range(len(order)))
-            epsilon, _ = random_stopping_guarantee(epsilon_1, self.run_delta, self.stop_probability, self.delta_2)
-            one_seed = max(spent([r], self.run_delta) for r in charged)
-            per_seed, _ = random_stopping_guarantee(one_seed, self.run_delta, self.stop_probability, self.delta_2)
-            repeats = seeds if self.charge_seeds else 1
-            eps_f_planned, delta_f = random_stopping_guarantee(
-                self.run_epsilon, self.run_delta, self.stop_probability, self.delta_2
-            )
-            single = compute_epsilon(
-                [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run * repeats)],
-                self.target_delta,
-                self.accountant,
-            )
-            grid_noise = calibrate_noise_multiplier(
-                self.target_epsilon,
-                self.target_delta,
-                self.sample_rates * repeats,
-                [self.steps_per_run] * (len(self.candidates) * repeats),
-                self.accountant,
-            )
-            what = f"one draw ({repeats} seed(s))" if repeats > 1 else "one run"
-            details.update(
-                {
-                    "draws": f"{len(order)} (stop probability gamma={self.stop_probability:.4g}, cap Upsilon="
-                    f"{math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))})",
-                    "per-draw budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
-                    "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
-                    "blow-up": f"{what} at this noise spends epsilon={single:.4f} at delta={self.target_delta}; "
-                    f"random stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
-                    "composition instead": f"the whole grid of {len(self.candidates)} candidates would need noise "
-                    f"multiplier {grid_noise:.4f} (random stopping uses {self.noise_multiplier:.4f})",
-                }
-            )
-        if not self.charge_seeds and seeds > 1:
-            details["charge_seeds=False"] = (
-                f"the noise was calibrated for one seed's pass (epsilon_per_seed={per_seed:.4f}); the {seeds} seeds "
-                f"together spend epsilon={epsilon:.4f}, above the target {self.target_epsilon}"
-            )
-        if self.selection == "best":
-            uncharged.append(
-                "the choice of the winner from un-noised validation scores (as in the papers): it is not private "
-                "with respect to the validation set; selection='noisy' makes it so"
-            )
-        else:
-            details["noisy selection"] = (
-                f"report-noisy-max, epsilon={self.selection_epsilon} with respect to the validation set "
-                f"(score sensitivity {self.score_sensitivity:.4g}); the training guarantee above is unchanged"
-            )
+            epsilon, per_seed, details = self._account_random_stopping(len(order), charged)
+        uncharged, notes = _report_notes(
+            self.selection, self.charge_seeds, len(self.seeds), self.target_epsilon, epsilon, per_seed
+        )
         return SearchResult(
-            accounting=self.accounting,
+            accounting=self.accounting.name,
             candidates=self.candidates,
             seeds=self.seeds,
             mode=self.mode,
@@ -437,10 +318,196 @@ class HonestGridSearch(PrivateSearch):
             epsilon_per_seed=per_seed,
             charge_seeds=self.charge_seeds,
             runs=records,
-            selection=self.selection,
-            selection_epsilon=self.selection_epsilon,
+            selection=self.selection.name,
+            selection_epsilon=self.selection.epsilon if isinstance(self.selection, NoisyMax) else None,
             uncharged=uncharged,
-            details=details,
+            details={**details, **notes},
+        )
+
+    def _select(self, drawn: list[int], means: list[float]) -> int:
+        """The winner's index among the ``drawn`` candidates, by the search's selection."""
+        if isinstance(self.selection, NoisyMax):
+            signed = [self.signed(means[i]) for i in drawn]
+            return drawn[noisy_argmax(signed, self.selection.epsilon, self.selection.score_sensitivity, self.generator)]
+        return self.best(drawn, means)
+
+    def _spent(self, runs: list[Charge], delta: float) -> float:
+        """What the runs' events spent at ``delta``: the accountant's epsilon plus the exact release's
+        floating-point term of every step (exact_noise)."""
+        events = [event for _, _, events in runs for event in events]
+        return compute_epsilon(events, delta, self.accountant) + self._epsilon_per_step * total_steps(events)
+
+    def _account_composition(self, charged: list[Charge]) -> tuple[float, float, dict[str, str]]:
+        """``(epsilon_spent, epsilon_per_seed, details)``: every run of every seed is one composition."""
+        epsilon = self._spent(charged, self.target_delta)
+        per_seed = max(self._spent([r for r in charged if r[1] == seed], self.target_delta) for seed in self.seeds)
+        single = compute_epsilon(
+            [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run)], self.target_delta, self.accountant
+        )
+        details = {
+            "runs charged": f"{len(charged)} runs ({len(self.candidates)} candidates x {len(self.seeds)} seed(s)) of "
+            f"at most {self.steps_per_run} steps ({sum(total_steps(events) for *_, events in charged)} steps "
+            "accounted)",
+            "one run alone at this noise": f"epsilon={single:.4f}",
+        }
+        return epsilon, per_seed, details
+
+    def _account_random_stopping(self, draws: int, charged: list[Charge]) -> tuple[float, float, dict[str, str]]:
+        """``(epsilon_spent, epsilon_per_seed, details)``: Theorem 1 on what each draw (a candidate with all its
+        seeds) actually spent, at ``delta_1``; the details show the blow-up against composing the grid."""
+        epsilon_1 = max(self._spent([r for r in charged if r[0] == draw], self.run_delta) for draw in range(draws))
+        epsilon, _ = self._stopping.guarantee(epsilon_1)
+        per_seed, _ = self._stopping.guarantee(max(self._spent([r], self.run_delta) for r in charged))
+        eps_f_planned, delta_f = self._stopping.guarantee(self.run_epsilon)
+        single = compute_epsilon(
+            [(self.noise_multiplier, self.sample_rates[0], self.steps_per_run * self._repeats)],
+            self.target_delta,
+            self.accountant,
+        )
+        what = f"one draw ({self._repeats} seed(s))" if self._repeats > 1 else "one run"
+        details = {
+            "draws": f"{draws} (stop probability gamma={self.stop_probability:.4g}, cap Upsilon="
+            f"{self._stopping.max_draws()})",
+            "per-draw budget": f"eps_1={self.run_epsilon:.4f}, delta_1={self.run_delta:.3g}",
+            "guarantee (Theorem 1)": f"eps_f={eps_f_planned:.4f}, delta_f={delta_f:.3g}",
+            "blow-up": f"{what} at this noise spends epsilon={single:.4f} at delta={self.target_delta}; random "
+            f"stopping charges {eps_f_planned:.4f} ({eps_f_planned / single:.1f}x)",
+            "composition instead": f"the whole grid of {len(self.candidates)} candidates would need noise multiplier "
+            f"{self._composition_noise():.4f} (random stopping uses {self.noise_multiplier:.4f})",
+        }
+        return epsilon, per_seed, details
+
+
+#: What one run charged: ``(draw, seed, events)``.
+Charge = tuple[int, int, tuple]
+
+
+def score_statistics(scores: Mapping[int, Sequence[float]], candidates: int) -> tuple[list[float], list[float]]:
+    """Per candidate, the mean and the (population) standard deviation of its scores over the seeds; NaN for a
+    candidate never drawn, standard deviation 0 for one score."""
+    means, stds = [], []
+    for index in range(candidates):
+        values = scores.get(index)
+        if not values:
+            means.append(math.nan)
+            stds.append(math.nan)
+            continue
+        means.append(statistics.fmean(values))
+        stds.append(statistics.pstdev(values) if len(values) > 1 else 0.0)
+    return means, stds
+
+
+def _warn_uncharged_seeds(target_epsilon: float, target_delta: float, seeds: int, planned: float) -> None:
+    warnings.warn(
+        f"charge_seeds=False: the noise is calibrated so that one seed's pass over the grid meets "
+        f"target_epsilon={target_epsilon} (the OSO paper's protocol), but all {seeds} seeds' "
+        f"runs train on the data and move the scores that pick the winner: together they spend "
+        f"epsilon={planned:.4f} at delta={target_delta}. The result's epsilon_spent "
+        "reports that whole figure, epsilon_per_seed the one-seed figure; leave charge_seeds=True (the "
+        "default) for a search whose whole spend meets target_epsilon",
+        UserWarning,
+        stacklevel=3,  # the caller of HonestGridSearch(...)
+    )
+
+
+def _report_notes(
+    selection: Selection, charge_seeds: bool, seeds: int, target_epsilon: float, epsilon: float, per_seed: float
+) -> tuple[list[str], dict[str, str]]:
+    """What the report says beside the accounting: what is not charged, and the notes on the seeds and the
+    selection."""
+    uncharged, notes = [], {}
+    if not charge_seeds and seeds > 1:
+        notes["charge_seeds=False"] = (
+            f"the noise was calibrated for one seed's pass (epsilon_per_seed={per_seed:.4f}); the {seeds} seeds "
+            f"together spend epsilon={epsilon:.4f}, above the target {target_epsilon}"
+        )
+    if isinstance(selection, NoisyMax):
+        notes["noisy selection"] = (
+            f"report-noisy-max, epsilon={selection.epsilon} with respect to the validation set "
+            f"(score sensitivity {selection.score_sensitivity:.4g}); the training guarantee above is unchanged"
+        )
+    else:
+        uncharged.append(
+            "the choice of the winner from un-noised validation scores (as in the papers): it is not private "
+            "with respect to the validation set; selection=NoisyMax(...) makes it so"
+        )
+    return uncharged, notes
+
+
+@dataclass(frozen=True)
+class _RandomStoppingPlan:
+    """Random stopping resolved for one search: ``gamma`` and ``delta_2`` (their defaults ``1/K`` and ``delta/10``
+    filled in), and each draw's ``(eps_1, delta_1)``, Theorem 1 inverted for the search's budget."""
+
+    stop_probability: float
+    delta_2: float
+    run_epsilon: float
+    run_delta: float
+
+    @classmethod
+    def of(
+        cls, option: RandomStopping, candidates: int, target_epsilon: float, target_delta: float
+    ) -> _RandomStoppingPlan:
+        gamma = 1 / candidates if option.stop_probability is None else option.stop_probability
+        gamma = check_number("stop_probability", gamma, positive=True)
+        delta_2 = target_delta / 10 if option.delta_2 is None else option.delta_2
+        delta_2 = check_number("delta_2", delta_2, positive=True)
+        try:
+            run_epsilon, run_delta = random_stopping_run_budget(target_epsilon, target_delta, gamma, delta_2)
+        except ValueError as err:
+            raise PrivacyConfigurationError(str(err)) from err
+        return cls(gamma, delta_2, run_epsilon, run_delta)
+
+    def guarantee(self, run_epsilon: float) -> tuple[float, float]:
+        """Theorem 1: the search's ``(eps_f, delta_f)`` when each draw spends ``run_epsilon`` at ``delta_1``."""
+        return random_stopping_guarantee(run_epsilon, self.run_delta, self.stop_probability, self.delta_2)
+
+    def max_draws(self) -> int:
+        """``floor(Upsilon)``: the most draws random stopping makes."""
+        return math.floor(max_random_stopping_draws(self.stop_probability, self.delta_2))
+
+    def draws(self, candidates: Sequence[Any], generator: torch.Generator) -> list[int]:
+        """Candidates drawn uniformly with replacement until a ``gamma``-coin says stop, at most ``Upsilon``."""
+        cap = self.max_draws()
+        draws: list[int] = []
+        while len(draws) < cap:
+            draws.append(int(torch.randint(len(candidates), (1,), generator=generator)))
+            if torch.rand(1, generator=generator, dtype=torch.float64).item() < self.stop_probability:
+                break
+        return draws
+
+
+def _checked_candidates(candidates: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if not candidates:
+        raise PrivacyConfigurationError("candidates is empty: give at least one candidate")
+    if any("seed" in candidate for candidate in candidates):
+        raise PrivacyConfigurationError(
+            "candidates must not have a 'seed' key: the search passes the repeat's seed as hparams['seed']; "
+            "list the seeds in seeds="
+        )
+    return [dict(c) for c in candidates]
+
+
+def _sample_rates(sample_rate: float | Callable[[dict], float], candidates: list[dict]) -> list[float]:
+    """``q`` of each candidate's runs, checked."""
+    rates = [sample_rate(c) if callable(sample_rate) else sample_rate for c in candidates]
+    for rate in rates:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+            raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {rate!r}")
+    return [float(r) for r in rates]
+
+
+def _check_run(candidate: dict, taken: int, steps_per_run: int) -> None:
+    if taken == 0:
+        raise PrivacyConfigurationError(
+            f"the run of {format_hparams(candidate)} added no step to the search's accountant: train_fn must pass "
+            "its dp argument to the DP callback, e.g. OSODP(**dp)"
+        )
+    if taken > steps_per_run:
+        raise PrivacyConfigurationError(
+            f"the run of {format_hparams(candidate)} took {taken} steps, more than steps_per_run="
+            f"{steps_per_run}: set the Trainer's max_steps to steps_per_run (it would spend the budget of the "
+            "runs after it)"
         )
 
 

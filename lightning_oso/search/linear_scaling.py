@@ -33,10 +33,8 @@ Lightning ``train_fn``) and keeps the ledger.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +43,7 @@ import torch
 from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn
+from lightning_oso.search.result import LinearScalingResult, Trial
 from lightning_oso.search.selection import (
     SCORE_UNITS,
     bounded_score,
@@ -54,6 +53,8 @@ from lightning_oso.search.selection import (
 from lightning_oso.validation import check_choice, check_int, check_number
 
 SELECTIONS = ("noisy", "public")
+
+__all__ = ["SELECTIONS", "LinearScalingResult", "LinearScalingSearch", "Trial", "decompose", "fit_line"]
 
 
 def decompose(r: float, eta_max: float, steps_max: int, steps_min: int = 1) -> tuple[float, int]:
@@ -74,140 +75,6 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     mean_r = sum(r for _, r in points) / n
     slope = sum((e - mean_e) * (r - mean_r) for e, r in points) / sum((e - mean_e) ** 2 for e, _ in points)
     return slope, mean_r - slope * mean_e
-
-
-@dataclass
-class Trial:
-    """One training run of the procedure."""
-
-    phase: str  # "sweep 1", "sweep 2", "final"
-    r: float
-    eta: float
-    steps: int
-    run_epsilon: float  # this run's own epsilon at the runs' delta
-    noise_multiplier: float
-    # With selection="noisy": the mean of the run's clipped per-record scores, un-noised. It is for the caller's
-    # inspection only (no report or plot shows it): releasing it is not covered by the guarantee.
-    score: float
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class LinearScalingResult:
-    """What the procedure did and spent; ``report()`` for people, ``to_dict()`` for machines, ``plot()`` a PNG."""
-
-    trials: list[Trial]
-    sweep_epsilons: tuple[float, float]
-    best_r: tuple[float, float]
-    line: tuple[float, float]  # a, b of r = a eps + b
-    final_epsilon: float  # eps_f, the final run's own epsilon
-    final_r: float  # r* = a eps_f + b, at least r_2 (for eps_f >= eps_2) and r_min, at most eta_max * T_max
-    predicted_r: float  # a eps_f + b before those bounds
-    phase_epsilons: dict  # each phase's runs alone, at training_delta
-    epsilon_spent: float  # the whole procedure: training_epsilon + 2 selection_epsilon, at target_delta
-    target_epsilon: float
-    target_delta: float
-    mode: str
-    uncharged: list[str]
-    selection: str = "noisy"
-    selection_epsilon: float = 0.0  # per sweep (0 for selection="public")
-    selection_delta: float = 0.0  # both sweeps' samplers
-    training_epsilon: float = math.nan  # the composition of every run (PRV), at training_delta
-    training_delta: float = math.nan  # target_delta - selection_delta
-    chosen: tuple[int, int] = (0, 0)  # the index of the chosen run within each sweep
-
-    @property
-    def final(self) -> Trial:
-        return self.trials[-1]
-
-    def report(self) -> str:
-        a, b = self.line
-        public = self.selection == "public"
-        lines = [
-            f"Linear scaling rule: total epsilon {self.epsilon_spent:.4f} of {self.target_epsilon} at delta "
-            f"{self.target_delta:g}",
-            f"  runs: {len(self.trials)}, one composition: epsilon {self.training_epsilon:.4f} at delta "
-            f"{self.training_delta:.6g}",
-        ]
-        if public:
-            lines.append("  selection: the best score of each sweep, on data declared public (selection='public')")
-        else:
-            lines.append(
-                f"  selection: exponential mechanism on clipped per-record scores, epsilon "
-                f"{self.selection_epsilon:g} per sweep, 2 x {self.selection_epsilon:g} added by basic composition "
-                f"(delta {self.selection_delta:.2g} for the sampler)"
-            )
-        for k, phase in enumerate(("sweep 1", "sweep 2")):
-            runs = [t for t in self.trials if t.phase == phase]
-            lines.append(
-                f"  {phase}: {len(runs)} runs at eps={self.sweep_epsilons[k]:g} each, phase epsilon "
-                f"{self.phase_epsilons[phase]:.4f}; chosen r = {self.best_r[k]:.4g}"
-            )
-            # the scores are shown only when they are public: otherwise they are un-noised private statistics
-            lines += [
-                f"    r={t.r:.4g} (eta={t.eta:.4g}, T={t.steps}, nu={t.noise_multiplier:.3f})"
-                + (f": score {t.score:.4g}" if public else "")
-                + (" <- chosen" if i == self.chosen[k] else "")
-                for i, t in enumerate(runs)
-            ]
-        f = self.final
-        lines += [
-            f"  fit: r = {a:.4g} * eps + {b:.4g}",
-            f"  final: eps_f={self.final_epsilon:.4f}, line gives {self.predicted_r:.4g}, r*={self.final_r:.4g} -> "
-            f"eta={f.eta:.4g}, T={f.steps}, "
-            f"nu={f.noise_multiplier:.3f}" + (f"; score {f.score:.4g}" if public else ""),
-        ]
-        lines += [f"  not charged: {item}" for item in self.uncharged]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return json.loads(json.dumps(asdict(self), default=float))
-
-    def plot(self, path: str) -> None:
-        """The sweeps' runs (r against their epsilon, the chosen ones marked; coloured by score only for
-        ``selection="public"``), the fitted line and the final run."""
-        # an explicit figure on its own Agg canvas: no pyplot, so the caller's backend and figures are untouched
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(6, 4))
-        FigureCanvasAgg(fig)
-        ax = fig.subplots()
-        for k, phase in enumerate(("sweep 1", "sweep 2")):
-            runs = [t for t in self.trials if t.phase == phase]
-            # colour by score only where the scores are public: the figure is meant to be shown
-            colours: dict[str, Any] = (
-                {"c": [t.score for t in runs], "cmap": "viridis"} if self.selection == "public" else {"c": "tab:blue"}
-            )
-            ax.scatter(
-                [self.sweep_epsilons[k]] * len(runs),
-                [t.r for t in runs],
-                marker="o",
-                label=("the sweeps' runs" + (" (colour: score)" if self.selection == "public" else ""))
-                if k == 0
-                else None,
-                **colours,
-            )
-            ax.scatter(
-                [self.sweep_epsilons[k]],
-                [self.best_r[k]],
-                facecolors="none",
-                edgecolors="red",
-                s=160,
-                label="chosen in a sweep" if k == 0 else None,
-            )
-        a, b = self.line
-        xs = [0.0, max(self.final_epsilon, *self.sweep_epsilons) * 1.1]
-        ax.plot(xs, [a * x + b for x in xs], "k--", label=f"r = {a:.3g} eps + {b:.3g}")
-        ax.scatter([self.final_epsilon], [self.final_r], marker="*", s=200, c="red", label="final run")
-        ax.set_xlabel("epsilon of one run")
-        ax.set_ylabel("r = eta * T")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title(f"linear scaling rule: total epsilon {self.epsilon_spent:.3g}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
 
 
 class LinearScalingSearch(PrivateSearch):
@@ -279,6 +146,7 @@ class LinearScalingSearch(PrivateSearch):
     def __init__(
         self,
         train_fn: TrainFn,
+        *,
         target_epsilon: float,
         target_delta: float,
         sample_rate: float,
@@ -299,33 +167,17 @@ class LinearScalingSearch(PrivateSearch):
         self.selection = check_choice("selection", selection, SELECTIONS)
         if selection == "noisy":
             self.selection_epsilon = check_number("selection_epsilon", selection_epsilon, positive=True)
-            if (
-                len(score_bounds) != 2
-                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in score_bounds)
-                or not math.isfinite(score_bounds[1] - score_bounds[0])
-                or not score_bounds[0] < score_bounds[1]
-            ):
-                raise PrivacyConfigurationError(
-                    f"score_bounds must be (lo, hi) with finite lo < hi, the range of one record's score (accuracy: "
-                    f"(0, 1)), got {score_bounds!r}"
-                )
+            _check_score_bounds(score_bounds)
         else:
             self.selection_epsilon = 0.0
         self.score_bounds = (float(score_bounds[0]), float(score_bounds[1]))
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
-            raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
-        if len(r_range) != 2 or not 0 < r_range[0] < r_range[1]:
-            raise PrivacyConfigurationError(f"r_range must be (r_min, r_max) with 0 < r_min < r_max, got {r_range!r}")
+        _check_plan(sample_rate, r_range, sweep_epsilons)
         self.eta_max = check_number("eta_max", eta_max, positive=True)
         self.steps_max = check_int("steps_max", steps_max, minimum=1)
         self.steps_min = check_int("steps_min", steps_min, minimum=1)
         self.runs_per_sweep = check_int("runs_per_sweep", runs_per_sweep, minimum=1)
         if steps_min > steps_max:
             raise PrivacyConfigurationError(f"steps_min={steps_min} exceeds steps_max={steps_max}")
-        if len(sweep_epsilons) != 2 or not 0 < sweep_epsilons[0] < sweep_epsilons[1]:
-            raise PrivacyConfigurationError(
-                f"sweep_epsilons must be (eps_1, eps_2) with 0 < eps_1 < eps_2, got {sweep_epsilons!r}"
-            )
         self.sample_rate = float(sample_rate)
         self.r_range = (float(r_range[0]), float(r_range[1]))
         self.sweep_epsilons = (float(sweep_epsilons[0]), float(sweep_epsilons[1]))
@@ -510,3 +362,27 @@ class LinearScalingSearch(PrivateSearch):
             outcome.metrics,
         )
         return trial, outcome.value
+
+
+def _check_score_bounds(score_bounds: tuple[float, float]) -> None:
+    if (
+        len(score_bounds) != 2
+        or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in score_bounds)
+        or not math.isfinite(score_bounds[1] - score_bounds[0])
+        or not score_bounds[0] < score_bounds[1]
+    ):
+        raise PrivacyConfigurationError(
+            f"score_bounds must be (lo, hi) with finite lo < hi, the range of one record's score (accuracy: "
+            f"(0, 1)), got {score_bounds!r}"
+        )
+
+
+def _check_plan(sample_rate: float, r_range: tuple[float, float], sweep_epsilons: tuple[float, float]) -> None:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+        raise PrivacyConfigurationError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+    if len(r_range) != 2 or not 0 < r_range[0] < r_range[1]:
+        raise PrivacyConfigurationError(f"r_range must be (r_min, r_max) with 0 < r_min < r_max, got {r_range!r}")
+    if len(sweep_epsilons) != 2 or not 0 < sweep_epsilons[0] < sweep_epsilons[1]:
+        raise PrivacyConfigurationError(
+            f"sweep_epsilons must be (eps_1, eps_2) with 0 < eps_1 < eps_2, got {sweep_epsilons!r}"
+        )
