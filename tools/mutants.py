@@ -47,7 +47,7 @@ RELEASE = "tests/test_release_noise.py"
 MUTANTS = (
     Mutant(
         "no_clipping",
-        "lightning_oso/step.py",
+        "lightning_oso/clipping.py",
         "return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)",
         "return torch.ones_like(norms).unsqueeze(1)",
         (
@@ -58,7 +58,7 @@ MUTANTS = (
     ),
     Mutant(
         "oso_clipped_sum_without_c_t",
-        "lightning_oso/step.py",
+        "lightning_oso/clipping.py",
         "s[0].addcmul_(s[1], scales[s.dtype])",
         "s[0].add_(s[1])",
         (
@@ -250,7 +250,7 @@ MUTANTS = (
     ),
     Mutant(
         "quantile_count_not_centred",
-        "lightning_oso/step.py",
+        "lightning_oso/clipping.py",
         "count = (norms <= clip).to(norms.dtype) - 0.5",
         "count = (norms <= clip).to(norms.dtype)",
         (f"{RELEASE}::test_the_quantile_count_is_released_with_noise_of_std_sigma_b",),
