@@ -12,8 +12,9 @@ private"). The tests call them too. The clipping rule says which weights the nor
 query gets: the step asks it through :class:`StepRule`, which ``lightning_oso.clipping``'s rules (and their weight
 functions) implement; this module does not import them.
 
-What depends on the run comes in as small callables: the noise (the same draw on every process, from a stream keyed
-on the ledger's executed-step counter), the sum across processes and the ledger's write-ahead record.
+What depends on the run comes in as one :class:`ReleaseWiring`: the noise (the same draw on every process, from a
+stream keyed on the ledger's executed-step counter), the sum across processes and the ledger's write-ahead record.
+The sums of all processes come back as named :class:`Totals` (the vector queries and the scalar ones).
 
 The release is exact (docs/algorithms.md, "The exact release"): each query's raw sum, added up over the processes in
 float64, is rounded onto a power-of-two grid fixed by the noise's standard deviation alone, and discrete Gaussian
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 #: ``(sums, stds) -> released sums``: row ``k`` of every sum on the grid of ``stds[k]`` plus exact discrete Gaussian
 #: noise of standard deviation ``stds[k]`` (float64); the same on every process.
 AddNoise = Callable[[list[Tensor], Tensor], list[Tensor]]
-#: ``tensors -> their sums over all processes`` (in place, same order).
-Reduce = Callable[[list[Tensor]], list[Tensor]]
+#: ``tensors -> None``: each tensor replaced, in place, by its sum over all processes (any return value is ignored).
+Reduce = Callable[[list[Tensor]], object]
 
 
 class StepRule(Protocol):
@@ -203,6 +204,56 @@ class ClippedSums:
         return sum(n.shape[0] for n in self.norms)
 
 
+@dataclass(frozen=True)
+class ReleaseWiring:
+    """What a release (:func:`release`) needs of the run it is part of, in one object: the strategy makes one per
+    optimizer step (``PrivateTraining.privatise``); on one process, ``ReleaseWiring(gaussian_noise(generator))``.
+
+    Attributes:
+        add_noise: the noise stage, e.g. :func:`gaussian_noise`: the exact release of the summed queries, the same
+            draw on every process (the strategy keys it on the step, or sends rank 0's secure draw to all).
+        sum_across_processes: adds up, in place, the raw sums of all processes (float64); ``None`` on one process.
+        record_step: the ledger's write-ahead record of the step, called before anything of it is released.
+        materialise_noise: the noise with which a deferred query is materialised (:meth:`DeferredQuery.materialise`),
+            the same draw on every process (``None``: ``add_noise``, right on one process).
+    """
+
+    add_noise: AddNoise
+    sum_across_processes: Reduce | None = None
+    record_step: Callable[[], None] | None = None
+    materialise_noise: AddNoise | None = None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A logical batch's raw sums over all processes, in float64: what the release puts on the grid and noises.
+    Never released as such.
+
+    Attributes:
+        vectors: per trainable parameter, the rule's vector queries ``[k, *param.shape]`` (the rows released as
+            vectors first, the deferred ones last).
+        scalars: the rule's scalar queries ``[m]``, or ``None`` for a rule without them.
+    """
+
+    vectors: list[Tensor]
+    scalars: Tensor | None
+
+    def tensors(self) -> list[Tensor]:
+        """Every sum, vectors then scalars (what a sum across processes adds up in place)."""
+        return [*self.vectors, *([] if self.scalars is None else [self.scalars])]
+
+
+def total_over_processes(clipped: ClippedSums, sum_across_processes: Reduce | None = None) -> Totals:
+    """Stage 4: the clipped sums of all processes added up, in float64, before any noise, so that the grid and the
+    noise apply to the total (noise added before a sum across processes would be followed by a float addition of raw
+    values: the lattice the grid removes). ``sum_across_processes`` adds up in place; ``None`` on one process."""
+    scalars = None if clipped.scalars is None else clipped.scalars.to(torch.float64)
+    totals = Totals([s.to(torch.float64) for s in clipped.sums], scalars)
+    if sum_across_processes is not None:
+        sum_across_processes(totals.tensors())
+    return totals
+
+
 def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums | None = None) -> ClippedSums:
     """Stages 1-3 of the step on one (micro-)batch: norms -> the rule's weights -> weighted sums, added to ``into``
     (the sums of the logical batch's earlier micro-batches) or to zero. The per-sample state of ``per_sample`` is
@@ -243,52 +294,39 @@ def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums 
     return into
 
 
-def release(
-    clipped: ClippedSums,
-    rule: StepRule,
-    expected_batch_size: float,
-    *,
-    add_noise: AddNoise,
-    sum_across_processes: Reduce | None = None,
-    record_step: Callable[[], None] | None = None,
-    materialise_noise: AddNoise | None = None,
-) -> SanitisedStep:
+def release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, wiring: ReleaseWiring) -> SanitisedStep:
     """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: reduce across
-    processes -> record the step in the ledger -> release on the grid with exact noise -> scale by the expected batch
-    size. Arguments as in :func:`sanitise`.
+    processes (:func:`total_over_processes`) -> record the step in the ledger -> release on the grid with exact noise
+    -> scale by the expected batch size. What the run supplies (the noise, the sum across processes, the ledger's
+    record) comes in one :class:`ReleaseWiring`; ``expected_batch_size`` is ``B = qN`` over all processes.
 
-    The raw sums of all processes are added up first, in float64, so that the grid and the noise apply to the total
-    (noise added before a sum across processes would be followed by a float addition of raw values: the lattice the
-    grid removes). Each query row's noise standard deviation is raised by :func:`exact_noise.grid_noise_std` so that
-    the grid's rounding is inside the noise multiplier the accountant sees.
+    Each query row's noise standard deviation is raised by :func:`exact_noise.grid_noise_std` so that the grid's
+    rounding is inside the noise multiplier the accountant sees. The noise is drawn in a fixed order: the vector rows,
+    then the scalar queries, then one integer per deferred row.
     """
+    add_noise = wiring.add_noise
     stds = rule.noise_stds()
     multipliers = rule.query_multipliers()
     vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
-    sums = [s.to(torch.float64) for s in clipped.sums]
-    scalar_sums = [clipped.scalars.to(torch.float64)] if clipped.scalars is not None else []
-
-    # -> reduce across processes: raw sums, before any noise
-    totals = [*sums, *scalar_sums]
-    if sum_across_processes is not None:
-        totals = sum_across_processes(totals)
-    sums, scalar_sums = totals[: len(sums)], totals[len(sums) :]
+    totals = total_over_processes(clipped, wiring.sum_across_processes)
+    released_rows = [s[:vectors] for s in totals.vectors]
+    deferred_rows = [s[vectors:] for s in totals.vectors]  # views: never noised as vectors, never returned
 
     # the write-ahead record: charged (and on disk) before anything of the step can leave this function
-    if record_step is not None:
-        record_step()
+    if wiring.record_step is not None:
+        wiring.record_step()
 
     # -> release on the grid: a model-sized integer draw on each vector row; for a deferred row, one integer (its
     # noise along the one vector it will be read with)
-    coordinates = sum(s[0].numel() for s in sums)
+    coordinates = sum(s[0].numel() for s in totals.vectors)
     row_stds = [exact_noise.grid_noise_std(stds[k], multipliers[k], coordinates) for k in range(len(stds))]
-    noisy = add_noise([s[:vectors] for s in sums], torch.stack(row_stds[:vectors])) if vectors else []
+    noisy = add_noise(released_rows, torch.stack(row_stds[:vectors])) if vectors else []
     noisy_scalars: list[Tensor] = []
-    if scalar_sums:
+    if totals.scalars is not None:
         scalar_multipliers = rule.scalar_query_multipliers()
         scalar_stds = _scalar_stds(rule)
         noisy_scalars = add_noise(
-            scalar_sums,
+            [totals.scalars],
             torch.stack([exact_noise.grid_noise_std(scalar_stds[k], m, 1) for k, m in enumerate(scalar_multipliers)]),
         )
     deferred_noise: list[Tensor] = []
@@ -303,12 +341,12 @@ def release(
     scalars = average(noisy_scalars, expected_batch_size)
     queries = tuple(
         DeferredQuery(
-            [s[vectors + row : vectors + row + 1] for s in sums],  # views: never noised as vectors, never returned
+            [s[row : row + 1] for s in deferred_rows],
             deferred_noise[0][row],
             deferred_stds[row],
             row_stds[vectors + row],
             expected_batch_size,
-            materialise_noise or add_noise,
+            wiring.materialise_noise or add_noise,
         )
         for row in range(rule.DEFERRED_ROWS)
     )
@@ -365,15 +403,8 @@ def sanitise(
     clipped = clip_and_sum(per_sample, rule)
     if observe_norms is not None:
         observe_norms(clipped.norms[0])
-    return release(
-        clipped,
-        rule,
-        expected_batch_size,
-        add_noise=add_noise,
-        sum_across_processes=sum_across_processes,
-        record_step=record_step,
-        materialise_noise=materialise_noise,
-    )
+    wiring = ReleaseWiring(add_noise, sum_across_processes, record_step, materialise_noise)
+    return release(clipped, rule, expected_batch_size, wiring)
 
 
 # ----------------------------------------------------------------------------------------------------- noise

@@ -82,8 +82,8 @@ MUTANTS = (
     Mutant(
         "gradient_noise_dropped",
         "lightning_oso/step.py",
-        "noisy = add_noise([s[:vectors] for s in sums], torch.stack(row_stds[:vectors])) if vectors else []",
-        "noisy = [s[:vectors].clone() for s in sums]",
+        "noisy = add_noise(released_rows, torch.stack(row_stds[:vectors])) if vectors else []",
+        "noisy = [s.clone() for s in released_rows]",
         (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[fixed]",),
         "the clipped sums released without noise",
     ),

@@ -46,6 +46,7 @@ from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness,
 from lightning_oso.step import (
     AddNoise,
     ClippedSums,
+    ReleaseWiring,
     SanitisedStep,
     add_gaussian_noise,
     clip_and_sum,
@@ -106,7 +107,8 @@ class PrivateTraining(_StrategyBase):
         return self.global_rank == 0
 
     def sum_across_processes(self, tensors: list[Tensor]) -> list[Tensor]:
-        """The sums of all processes (in place; identity on one process): one all-reduce per dtype."""
+        """Each tensor replaced, in place, by its sum over all processes (nothing on one process), one all-reduce per
+        dtype; returns ``tensors``."""
         if self.world_size == 1:
             return tensors
         for dtype in {t.dtype for t in tensors}:
@@ -328,15 +330,13 @@ class PrivateTraining(_StrategyBase):
         if self.collect_diagnostics:
             self._observe_norms(torch.cat(clipped.norms))
         with norm_bounds.exact_float32_products(self.root_device):  # sums and noise in float32 or better
-            released = release(
-                clipped,
-                self.rule,
-                self.expected_batch_size,
+            wiring = ReleaseWiring(
                 add_noise=self.add_noise,
                 sum_across_processes=self.sum_across_processes,
                 record_step=self.ledger.record_step if self.ledger is not None else None,
                 materialise_noise=self._materialise_noise(self.executed_steps),
             )
+            released = release(clipped, self.rule, self.expected_batch_size, wiring)
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here
         for p, gradient in zip(params, released.gradients):
