@@ -3,6 +3,7 @@
 import glob
 import inspect
 import re
+import warnings
 from typing import get_args
 
 import pytest
@@ -277,3 +278,16 @@ def test_every_argument_is_documented(method):
         else:  # through **kwargs: in Keyword Args, with its type (no signature shows it)
             assert re.search(rf"\n        {name} \([^)]+\): ", keyword_args), name
     assert "{shared}" not in doc and "{keyword_args}" not in doc
+
+
+@pytest.mark.parametrize("grad_sample_mode", GRAD_SAMPLE_MODES)
+def test_fit_leaves_the_process_wide_warning_filters_as_they_were(grad_sample_mode, recwarn):
+    """The warning torch gives at every backward pass through Opacus' hooks (a full backward hook on a first layer
+    whose input needs no gradient) is silenced around those backward passes only: after the fit the process's
+    warning filters are the ones it had, and no such warning reached the user."""
+    before = list(warnings.filters)
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, grad_sample_mode=grad_sample_mode)
+    make_trainer([dp], max_steps=3).fit(ToyModel(), toy_loader())
+    assert dp.steps == 3
+    assert warnings.filters == before
+    assert not [w for w in recwarn if "Full backward hook is firing" in str(w.message)]

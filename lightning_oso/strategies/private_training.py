@@ -40,8 +40,7 @@ from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.errors import PrivateStepRefused
-from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, OpacusHooks, loss_scale, norm_bounds
-from lightning_oso.per_sample.sources import Hooks
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, GradientHooks, loss_scale, norm_bounds
 from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
 from lightning_oso.step import (
     AddNoise,
@@ -87,7 +86,7 @@ class PrivateTraining(_StrategyBase):
         self.expected_batch_size: float | None = None  # B = qN
         self.sample_rate: float | None = None
         self.grad_sample_mode = "book_keeping"
-        self._hooks: Hooks | None = None
+        self._hooks: GradientHooks | None = None
         self._batch_size: int | None = None
         #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless
         #: collect_diagnostics
@@ -182,6 +181,17 @@ class PrivateTraining(_StrategyBase):
             # before the backward pass (``loss_scale``), so the hooks multiply nothing back
             self._hooks = per_sample.attach(self.lightning_module, self.grad_sample_mode, "sum")
 
+    @property
+    def hooks(self) -> GradientHooks | None:
+        """The per-sample hooks attached to the user's module (``None`` before :meth:`attach_hooks`)."""
+        return self._hooks
+
+    @property
+    def _attached_hooks(self) -> GradientHooks:
+        if self._hooks is None:
+            raise RuntimeError("the private step needs the per-sample hooks, which the DP callback attaches")
+        return self._hooks
+
     def detach_hooks(self) -> None:
         per_sample.detach(self._hooks)
         self._hooks = None
@@ -206,11 +216,10 @@ class PrivateTraining(_StrategyBase):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._batch_size = _leading_dim(batch)
-        if isinstance(self._hooks, BookKeeping):
-            self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
-            self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
-        elif isinstance(self._hooks, OpacusHooks):
-            self._hooks.clear()  # the composite layers' observed ops, likewise
+        if self._hooks is not None:
+            # nothing from an earlier forward without a step may mix into this one; on the fast path, no autograd
+            # weight gradients: the private step replaces them (until end_backward)
+            self._hooks.start_forward()
         return super().training_step(*args, **kwargs)
 
     @override
@@ -229,13 +238,14 @@ class PrivateTraining(_StrategyBase):
         # multiplied back before the backward pass, so that every record's output gradients are its own loss's before
         # any 16-bit layer rounds them (a 1/n rounded there would make each record's rounding depend on n, which is
         # private), and the clipping threshold means the same with or without accumulation
-        records = per_sample.forward_batch_size(self._hooks, self.lightning_module)
+        hooks, module = self._attached_hooks, self.lightning_module
+        records = hooks.records_in_forward(module) if module is not None else 0
         scaled = loss_scale.scale_loss(closure_loss, self.loss_reduction, records, self.accumulation)
         try:
-            super().backward(scaled, optimizer, *args, **kwargs)
+            with hooks.during_backward():
+                super().backward(scaled, optimizer, *args, **kwargs)
         finally:
-            if isinstance(self._hooks, BookKeeping):
-                self._hooks.unfreeze()  # the trainable parameters are those that require gradients again
+            hooks.end_backward()  # the trainable parameters are those that require gradients again
         self._add_micro_batch(optimizer if optimizer is not None else self.optimizers[0], records)
         return closure_loss.detach()
 
@@ -247,7 +257,7 @@ class PrivateTraining(_StrategyBase):
         scaled by, if it was)."""
         if self.rule is None:
             raise RuntimeError("the private step needs a DP callback's rule")
-        source = per_sample.source(self._hooks, self._trainable(optimizer))
+        source = self._attached_hooks.source(self._trainable(optimizer))
         if source.empty and self._batch_size != 0:
             raise RuntimeError(
                 "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
@@ -282,8 +292,8 @@ class PrivateTraining(_StrategyBase):
             try:
                 loss = closure()  # forward + backward: the hooks keep what the per-sample norms and sums need
             finally:
-                if isinstance(self._hooks, BookKeeping):
-                    self._hooks.unfreeze()
+                if self._hooks is not None:
+                    self._hooks.end_backward()
             released["step"] = self.privatise(optimizer)
             return loss
 
