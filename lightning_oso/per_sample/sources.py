@@ -27,6 +27,7 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
+from lightning_oso import _compat
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, Standalone, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.hooks import BookKeeping
@@ -179,7 +180,7 @@ class OpacusHooks(GradSampleHooks):
 
     def reset(self, module: nn.Module) -> None:
         self.clear()  # the composite layers' observed ops
-        _forget_captured(module)
+        _compat.forget_captured(module)
 
     def detach(self) -> None:
         self.cleanup()
@@ -271,26 +272,12 @@ def _captured_rows(module: nn.Module, sequence_first: set[int]) -> int:
     ``max_batch_len``, or the last input kept per layer (along dim 1 for the layers in ``sequence_first``)."""
     rows = 0
     for m in module.modules():
-        rows = max(rows, int(getattr(m, "max_batch_len", 0) or 0))
+        rows = max(rows, _compat.captured_rows(m))
         dim = 1 if id(m) in sequence_first else 0
-        for inputs in getattr(m, "activations", None) or ():
+        for inputs in _compat.captured_inputs(m):
             if inputs and isinstance(inputs[-1], Tensor) and inputs[-1].dim() > dim:
                 rows = max(rows, inputs[-1].shape[dim])
     return rows
-
-
-def _forget_captured(module: nn.Module) -> None:
-    """Forget what Opacus' hooks captured on ``module``: the inputs kept per layer and the per-sample gradients, also
-    those of a backward pass cut short."""
-    for m in module.modules():
-        if hasattr(m, "activations"):
-            m.__dict__["activations"] = []  # Opacus' hooks keep the captured inputs here
-    for p in module.parameters():
-        p.__dict__["grad_sample"] = None
-        if hasattr(p, "_current_grad_sample"):
-            del p._current_grad_sample
-        if hasattr(p, "_forward_counter"):
-            p._forward_counter = 0
 
 
 class GradSampleSource:
