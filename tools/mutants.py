@@ -183,9 +183,9 @@ MUTANTS = (
     ),
     Mutant(
         "charged_at_nu_g",
-        "lightning_oso/callbacks/base.py",
-        "self._step_noise_multiplier = self._active_rule.noise_multiplier",
-        "self._step_noise_multiplier = self._active_rule.gradient_noise_multiplier",
+        "lightning_oso/strategies/private_training.py",
+        "ledger.record_step(rule.noise_multiplier, self.sample_rate)",
+        "ledger.record_step(rule.gradient_noise_multiplier, self.sample_rate)",
         ("tests/test_resume.py::test_the_ledger_holds_counts_and_mechanism_parameters_only",),
         "each step charged at the gradient's multiplier nu_g > nu: the direction query goes unpaid",
     ),

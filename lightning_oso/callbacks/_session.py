@@ -14,6 +14,7 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +30,7 @@ from lightning_oso.accounting.ledger import PrivacyLedger, RunLedger, ledger_his
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import LedgerError, PrivacyConfigurationError
 from lightning_oso.randomness import RunRandomness, os_nonce
-from lightning_oso.strategies import PrivateTraining
+from lightning_oso.strategies import PrivacyPlan, PrivateTraining
 
 
 class RunSession(Callback):
@@ -45,7 +46,7 @@ class RunSession(Callback):
     accountant: PrivacyAccountant
     rule: ClippingRule | None
     _epsilon_cache: tuple[int, float] | None
-    _step_noise_multiplier: float | None
+    _plan: PrivacyPlan | None
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +57,7 @@ class RunSession(Callback):
         self._checkpoint_ledger: str | None = None
         self._sessions = 0  # fits of this run so far (a resumed checkpoint counts those before it)
         self._restored: dict | None = None  # the checkpoint's state, until training starts from it
+        self._plan: PrivacyPlan | None = None  # what the strategy was handed last
 
     @property
     def _training(self) -> PrivateTraining:
@@ -63,6 +65,13 @@ class RunSession(Callback):
         if self._strategy is None:
             raise RuntimeError(f"{type(self).__name__} has not been set up for a fit (Trainer.fit calls its setup)")
         return self._strategy
+
+    def _hand_plan(self, **changes: Any) -> None:
+        """Hand the strategy the run's plan with ``changes`` (a ledger, a rule), whole."""
+        if self._plan is None:
+            raise RuntimeError(f"{type(self).__name__} has not been set up for a fit (Trainer.fit calls its setup)")
+        self._plan = dataclasses.replace(self._plan, **changes)
+        self._training.configure_privacy(self._plan)
 
     def _config(self, sample_rate: float | None) -> dict:
         """The settings a checkpoint keeps, to tell on a resume whether the plan still holds."""
@@ -106,7 +115,7 @@ class RunSession(Callback):
                 "its last checkpoint, the steps it took since cannot be charged on resume."
             )
         self._sessions += 1
-        self._training.ledger = RunLedger(self.accountant, self._ledger_file, self._step_mechanism)
+        self._hand_plan(ledger=RunLedger(self.accountant, self._ledger_file))
 
     def _ledger_file_path(self, trainer: Trainer) -> Path:
         if self.ledger_path is not None and self.ledger_path is not False:
@@ -144,13 +153,6 @@ class RunSession(Callback):
             )
             self.accountant.history = [list(s) for s in history]
             self._epsilon_cache = None
-
-    def _step_mechanism(self) -> tuple[float, float]:
-        """``(nu, q)`` of the step being released (captured when the batch started)."""
-        nu, q = self._step_noise_multiplier, self._training.sample_rate
-        if nu is None or q is None:
-            raise RuntimeError("a step is released before the run planned its noise and sampling rate")
-        return nu, q
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_noise_multiplier(self, sample_rate: float) -> float | None:

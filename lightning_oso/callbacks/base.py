@@ -31,7 +31,7 @@ from lightning_oso.callbacks.arguments import (
 )
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import PrivacyConfigurationError
-from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
+from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivacyPlan, PrivateTraining
 from lightning_oso.validation import (
     check_bool,
     check_budget_arguments,
@@ -116,7 +116,6 @@ class DPCallback(RunSession, abc.ABC):
         self.max_steps: int | None = None  # the most steps the accountant's history may hold (set at train start)
         self.stop_reason: str | None = None
         self._epsilon_cache: tuple[int, float] | None = None
-        self._step_noise_multiplier: float | None = None
         self._planned_steps: float | None = None  # the trainer's global step at which this fit's plan ends
 
     # ------------------------------------------------------------------ what a method defines
@@ -221,10 +220,13 @@ class DPCallback(RunSession, abc.ABC):
             return
         validate_trainer(trainer)
         self._strategy = strategy = self._install_strategy(trainer)
-        strategy.configure_privacy(
-            self._run_randomness(trainer), loss_reduction=self.loss_reduction, grad_sample_mode=self.grad_sample_mode
+        self._plan = PrivacyPlan(
+            self._run_randomness(trainer),
+            loss_reduction=self.loss_reduction,
+            grad_sample_mode=self.grad_sample_mode,
+            collect_diagnostics=self.log_nonprivate_diagnostics,
         )
-        strategy.collect_diagnostics = self.log_nonprivate_diagnostics
+        strategy.configure_privacy(self._plan)
         if self.log_nonprivate_diagnostics:
             rank_zero_warn(
                 f"{type(self).__name__}(log_nonprivate_diagnostics=True): the nonprivate/* metrics are computed from "
@@ -315,7 +317,8 @@ class DPCallback(RunSession, abc.ABC):
         if self._restored is not None:
             rule.load_state_dict(self._restored["rule"])
             self._restored = None
-        self.rule = self._training.rule = rule
+        self.rule = rule
+        self._hand_plan(rule=rule)
         self.configure_optimizer(trainer.optimizers[0], rule)
         self.check_plan(rule, coordinates, expected_batch_size, min(int(remaining), allowed))
 
@@ -372,7 +375,6 @@ class DPCallback(RunSession, abc.ABC):
     # ------------------------------------------------------------------ per step
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_noise_multiplier = self._active_rule.noise_multiplier  # what this step is accounted with
         if self._budget_spent():
             # should_stop was set after the last allowed step; this is the last line of defence
             raise RuntimeError(
