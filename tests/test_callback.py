@@ -2,6 +2,7 @@
 
 import glob
 import inspect
+import json
 import re
 import warnings
 from typing import get_args
@@ -9,12 +10,22 @@ from typing import get_args
 import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_loader
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from lightning_oso import OSODP, PURDP, DPCallback, DPStrategy, FixedQuantileDP, FixedThresholdDP, compute_epsilon
+from lightning_oso import (
+    OSODP,
+    PURDP,
+    BudgetExhaustedError,
+    DPCallback,
+    DPStrategy,
+    FixedQuantileDP,
+    FixedThresholdDP,
+    StopReason,
+    compute_epsilon,
+)
 from lightning_oso.accounting import ACCOUNTANTS, FULL_BATCH_ACCOUNTANTS
 from lightning_oso.callbacks import DPArguments, RunArguments
 from lightning_oso.callbacks.arguments import AccountantName, GradSampleMode
@@ -125,6 +136,22 @@ def test_budget_stop_with_fixed_noise_multiplier():
     assert dp.epsilon <= 1.0
     assert compute_epsilon([(2.0, 0.1, dp.steps + 1)], 1e-4) > 1.0  # the next step would have overspent
     assert "privacy budget" in dp.stop_reason
+    assert dp.stop_reason is StopReason.BUDGET and json.loads(json.dumps(dp.stop_reason)) == "privacy budget"
+
+
+def test_a_step_after_the_budget_stop_raises_budget_exhausted_error():
+    """Training that goes on after the budget stop (a callback clearing should_stop) is refused before the step that
+    would overspend, with the library's own error (a RuntimeError, as before)."""
+
+    class KeepGoing(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = False
+
+    dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0)
+    with pytest.raises(BudgetExhaustedError, match="would exceed the privacy budget") as raised:
+        make_trainer([dp, KeepGoing()], max_epochs=100).fit(ToyModel(), toy_loader())
+    assert isinstance(raised.value, RuntimeError)
+    assert dp.steps == dp.max_steps and dp.epsilon <= 1.0  # not one step over
 
 
 @pytest.mark.parametrize("grad_sample_mode", ["book_keeping", "hooks"])

@@ -129,7 +129,7 @@ MUTANTS = (
     ),
     Mutant(
         "late_budget_stop",
-        "lightning_oso/callbacks/base.py",
+        "lightning_oso/callbacks/_budget.py",
         "return self.max_steps is None or self.accountant.steps >= self.max_steps",
         "return self.max_steps is None or self.accountant.steps > self.max_steps",
         ("tests/test_callback.py::test_budget_stop_with_fixed_noise_multiplier",),
