@@ -203,7 +203,10 @@ class PrivateTraining(_StrategyBase):
     @property
     def _attached_hooks(self) -> GradientHooks:
         if self._hooks is None:
-            raise RuntimeError("the private step needs the per-sample hooks, which the DP callback attaches")
+            raise RuntimeError(
+                "the private step has no per-sample hooks to read. Train with a DP callback in "
+                "Trainer(callbacks=[...]): it attaches them when the fit starts (or call attach_hooks())."
+            )
         return self._hooks
 
     def detach_hooks(self) -> None:
