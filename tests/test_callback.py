@@ -139,6 +139,16 @@ def test_budget_stop_with_fixed_noise_multiplier():
     assert dp.stop_reason is StopReason.BUDGET and json.loads(json.dumps(dp.stop_reason)) == "privacy budget"
 
 
+def test_fixed_noise_without_a_horizon_trains_until_the_budget_is_spent():
+    """With noise_multiplier fixed, a trainer without a planned horizon (max_epochs=-1) trains until the next step
+    would overspend, and stops there."""
+    dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0)
+    trainer = make_trainer([dp], max_epochs=-1)
+    trainer.fit(ToyModel(), toy_loader())
+    assert dp.stop_reason is StopReason.BUDGET and trainer.global_step == dp.steps == dp.max_steps
+    assert dp.epsilon <= 1.0 < compute_epsilon([(2.0, 0.1, dp.steps + 1)], 1e-4)
+
+
 def test_a_step_after_the_budget_stop_raises_budget_exhausted_error():
     """Training that goes on after the budget stop (a callback clearing should_stop) is refused before the step that
     would overspend, with the library's own error (a RuntimeError, as before)."""

@@ -1,9 +1,9 @@
 """DPCallback: what every DP method shares: the shared arguments and their checks, the wiring into the trainer (the
-plan handed to the strategy), the budget stop, and the public state. The rest is in small units beside it:
-``_planner`` (what the trainer and the loader fix for a fit's plan, and its checks), ``_reporting`` (what is logged
-and said, and :class:`StopReason`), ``_session`` (the run across its fits: randomness, sessions, ledger, checkpoint
-state), ``arguments`` (the shared arguments' types and text); the planning's maths is ``lightning_oso.planning``,
-the private Lightning attributes it needs are ``_compat``.
+plan handed to the strategy, the hooks of each step), and the public state. The rest is in small units beside it:
+``_planner`` (what the trainer and the loader fix for a fit's plan, and its checks), ``_budget`` (the budget stop and
+:class:`StopReason`), ``_reporting`` (what is logged and said), ``_session`` (the run across its fits: randomness,
+sessions, ledger, checkpoint state), ``arguments`` (the shared arguments' types and text); the planning's maths is
+``lightning_oso.planning``, the private Lightning attributes it needs are ``_compat``.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ class DPCallback(Callback, abc.ABC):
         assert self._plan is not None  # handed when the fit started
         self._hand_plan(dataclasses.replace(self._plan, rule=rule))
         self.configure_optimizer(trainer.optimizers[0], rule)
-        self.check_plan(rule, fit.coordinates, fit.expected_batch_size, min(int(fit.remaining), allowed))
+        self.check_plan(rule, fit.coordinates, fit.expected_batch_size, int(min(fit.remaining, allowed)))
         name = type(self).__name__
         _reporting.log_plan(trainer, name, rule, fit, self.target_epsilon, self.target_delta, allowed, taken)
         if _planner.debug_batches(trainer):
