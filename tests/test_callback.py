@@ -3,6 +3,7 @@
 import glob
 import inspect
 import json
+import pickle
 import re
 import warnings
 from typing import get_args
@@ -137,6 +138,15 @@ def test_budget_stop_with_fixed_noise_multiplier():
     assert compute_epsilon([(2.0, 0.1, dp.steps + 1)], 1e-4) > 1.0  # the next step would have overspent
     assert "privacy budget" in dp.stop_reason
     assert dp.stop_reason is StopReason.BUDGET and json.loads(json.dumps(dp.stop_reason)) == "privacy budget"
+
+
+def test_a_stop_reason_reads_as_the_string_it_replaced():
+    """A StopReason is the string the callbacks stored before: stored strings compare equal to it, it round-trips
+    through JSON and pickle, and its value is a plain str."""
+    assert StopReason("privacy budget") is StopReason.BUDGET
+    assert isinstance(StopReason.BUDGET, str) and type(StopReason.BUDGET.value) is str
+    assert f"{StopReason.BUDGET}" == str(StopReason.BUDGET) == "privacy budget"
+    assert pickle.loads(pickle.dumps(StopReason.BUDGET)) is StopReason.BUDGET
 
 
 def test_fixed_noise_without_a_horizon_trains_until_the_budget_is_spent():

@@ -17,12 +17,16 @@ from lightning_oso.errors import BudgetExhaustedError
 
 class StopReason(StrEnum):
     """Why a DP callback stopped training before the trainer's plan (``DPCallback.stop_reason``; ``None`` when it did
-    not stop it). A string enum: it compares equal to its value, and logs and results that hold the value as a
-    plain string read back as before.
+    not stop it). A string enum: it is a ``str`` equal to its value (JSON writes that string), so code, logs and
+    results that hold or compare the plain string read the same; ``.value`` is the plain string itself, for a file
+    read without lightning_oso (e.g. ``torch.load(weights_only=True)``).
 
     Example:
         >>> StopReason.BUDGET == "privacy budget", "privacy budget" in StopReason.BUDGET
         (True, True)
+        >>> import json
+        >>> json.dumps({"stop_reason": StopReason.BUDGET})
+        '{"stop_reason": "privacy budget"}'
     """
 
     #: the next step would have pushed epsilon over ``target_epsilon``
