@@ -37,7 +37,7 @@ from lightning_oso.accounting import (
     compute_epsilon,
     max_steps_within_budget,
 )
-from lightning_oso.callbacks import OSODP, PURDP, DPCallback, FixedQuantileDP, FixedThresholdDP
+from lightning_oso.callbacks import OSODP, PURDP, DPCallback, FixedQuantileDP, FixedThresholdDP, StopReason
 from lightning_oso.clipping import (
     ClippingRule,
     FixedQuantileClipping,
@@ -47,7 +47,13 @@ from lightning_oso.clipping import (
     split_noise_multiplier,
 )
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.errors import AccountingError, LedgerError, PrivacyConfigurationError, PrivateStepRefused
+from lightning_oso.errors import (
+    AccountingError,
+    BudgetExhaustedError,
+    LedgerError,
+    PrivacyConfigurationError,
+    PrivateStepRefused,
+)
 from lightning_oso.optim import DPAdamWOSM
 from lightning_oso.schedules import PURSchedule
 from lightning_oso.search import HonestGridSearch, LinearScalingSearch, SearchResult
@@ -57,6 +63,7 @@ __all__ = [
     "OSODP",
     "PURDP",
     "AccountingError",
+    "BudgetExhaustedError",
     "ClippingRule",
     "DPAdamWOSM",
     "DPCallback",
@@ -77,6 +84,7 @@ __all__ = [
     "PrivateStepRefused",
     "ScheduledNoiseClipping",
     "SearchResult",
+    "StopReason",
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "max_steps_within_budget",

@@ -40,8 +40,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from lightning_oso import per_sample
-from lightning_oso.per_sample import BookKeeping, loss_scale
+from lightning_oso.per_sample import loss_scale
 from lightning_oso.synthetic import batch_and_leave_one_out
 from lightning_oso.validation import PrivacyConfigurationError
 
@@ -109,7 +108,8 @@ def check_consistency(
     """Run the consistency checks (additivity, then leave-one-out) of the run's per-sample path on a synthetic batch
     with the structure of ``example`` (see :func:`synthetic_batch` for ``example`` and ``collate``).
 
-    ``strategy`` is the run's :class:`~lightning_oso.strategies.PrivateTraining` with its per-sample hooks attached;
+    ``strategy`` is the run's :class:`~lightning_oso.strategies.PrivateTraining` with its per-sample hooks attached
+    (``strategy.hooks``, a :class:`~lightning_oso.per_sample.GradientHooks`);
     ``params`` are the optimised parameters. The user's ``training_step`` runs on the synthetic batch with logging
     switched off, dropout modules in eval mode, torch's, Python's and NumPy's random states forked, and every
     parameter's ``.grad``, every buffer and the hooks' state left as they were.
@@ -178,7 +178,7 @@ def _loss(
     (inside ``_float32_check``); ``grad=False``: without autograd's graph, nor the hooks' state."""
     for p in module.parameters():
         p.grad = None
-    _reset_hooks(strategy._hooks, module)
+    strategy.hooks.reset(module)
     # inside the fork: a training_step drawing random numbers draws the same ones in each pass
     torch.default_generator.manual_seed(seed)
     device = strategy.root_device
@@ -213,7 +213,7 @@ def _check_loss_dtype(strategy: Any, module: Any, batch: Any) -> None:
     except _CannotRun:
         return
     finally:
-        _reset_hooks(strategy._hooks, module)
+        strategy.hooks.reset(module)
     loss_scale.check_loss_dtype(loss.dtype, strategy.loss_reduction)
 
 
@@ -228,19 +228,20 @@ def _run(
 ) -> _Pass:
     """training_step (``_loss``), backward and the per-sample path on ``batch`` (of ``size`` records), the loss
     scaled as the private step scales it (``per_sample.loss_scale``: each record's loss with the weight 1)."""
-    hooks = strategy._hooks
+    hooks = strategy.hooks
     loss = _loss(strategy, module, batch, seed, native)
     if not bool(torch.isfinite(loss.detach()).all()):
         raise _CannotRun("the loss is not finite (NaN or inf)")
-    records = per_sample.forward_batch_size(hooks, module)
+    records = hooks.records_in_forward(module)
     try:
-        loss_scale.scale_loss(loss, strategy.loss_reduction, records).backward()
+        with hooks.during_backward():
+            loss_scale.scale_loss(loss, strategy.loss_reduction, records).backward()
     except PrivacyConfigurationError:
         raise
     except Exception as err:
         raise _CannotRun(f"backward raised {type(err).__name__}: {err}") from err
     params = list(params)
-    source = per_sample.source(hooks, params)
+    source = hooks.source(params)
     if source.empty:
         raise _CannotRun("no per-sample gradients: the loss does not depend on the trainable parameters")
     try:
@@ -363,7 +364,7 @@ def _isolated(strategy: Any, module: nn.Module) -> Iterator[None]:
                 module.__dict__.pop(name, None)
         for m in dropouts:
             m.train()
-        _reset_hooks(strategy._hooks, module)
+        strategy.hooks.reset(module)
         for p, g in zip(params, grads):
             p.grad = g
         with torch.no_grad():
@@ -390,24 +391,6 @@ def _numpy_state() -> Any:
     except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
         return None
     return np.random.get_state()
-
-
-def _reset_hooks(hooks: Any, module: nn.Module) -> None:
-    """Forget what the per-sample hooks captured (also after a forward that raised half-way)."""
-    if isinstance(hooks, BookKeeping):
-        hooks.clear()
-        return
-    if isinstance(hooks, per_sample.OpacusHooks):
-        hooks.clear()  # the composite layers' observed ops
-    for m in module.modules():
-        if hasattr(m, "activations"):
-            m.__dict__["activations"] = []  # Opacus' hooks keep the captured inputs here
-    for p in module.parameters():
-        p.__dict__["grad_sample"] = None
-        if hasattr(p, "_current_grad_sample"):
-            del p._current_grad_sample
-        if hasattr(p, "_forward_counter"):
-            p._forward_counter = 0
 
 
 def check_before_training(

@@ -1,8 +1,8 @@
 """Clipping rules: the weights a rule needs from the per-sample norms, the noise it adds, and its update from
 sanitised values.
 
-A rule is a small stateful object with one interface, so the private step (``step.py``) is the same for
-every method; only the rule varies:
+A rule is a small stateful object with one interface (what the private step asks of it is ``step.StepRule``), so the
+private step (``step.py``) is the same for every method; only the rule varies:
 
 - ``weights(norms)``: ``[n, k]``, one column per weighted sum of per-sample gradients the rule releases
   (column ``GRADIENT`` = 0 is the clipped-gradient sum that becomes the parameter gradient);
@@ -15,6 +15,9 @@ every method; only the rule varies:
 - ``update(released)``: post-processing of the step's sanitised values only (docs/algorithms.md, "What is
   private"); returns a factor for the learning rate(s) or ``None``.
 
+The weight functions the rules use (plain clipping, OSO's split columns, the quantile rule's centred count) are here
+too, beside the rules: this module imports ``step`` for the released values' types, never the other way round.
+
 Every rule keeps ``noise_multiplier`` (``nu``, what the accountant sees per step) equal to the multiplier of the
 single Gaussian mechanism that its queries, released together, amount to (docs/algorithms.md, "OSO-DPSGD",
 "Fixed-threshold clipping", "Quantile clipping").
@@ -24,17 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_oso import step
+from lightning_oso.step import DeferredQuery, SanitisedStep, flat_dot
 from lightning_oso.validation import check_number, check_open_interval, check_positive
-
-if TYPE_CHECKING:
-    from lightning_oso.step import DeferredQuery, SanitisedStep
 
 # The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
 #: OSO, the OSO paper's defaults: ``C_0``, ``rho_c`` (step of ``C_t``) and ``rho_r`` (step of the learning rate).
@@ -48,6 +47,61 @@ QUANTILE_INITIAL_CLIP = 0.1
 QUANTILE_CLIP_LR = 0.2
 
 
+# ----------------------------------------------------------------------------------------------------- weights
+# The rules' weight functions: what each record weighs in the sums, from its per-sample norm.
+def _ratio(numerator: Tensor | float, norms: Tensor) -> Tensor:
+    """``numerator / norms`` (one correctly rounded division, within ``u`` relative of the exact ratio), with a
+    subnormal result flushed to 0: a subnormal's rounding is not relative, and 0 is the safe side. A zero norm
+    counts as the smallest normal one (its weight multiplies zeros); a NaN or infinite norm gives 0."""
+    tiny = torch.finfo(norms.dtype).tiny
+    ratio = numerator / norms.clamp_min(tiny)
+    return torch.where(ratio >= tiny, ratio, 0.0)  # NaN >= tiny is False: a NaN norm's ratio is 0 too
+
+
+def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``, 0 for a norm
+    that is not finite."""
+    return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
+
+
+def oso_split_weights(norms: Tensor, clip: Tensor) -> Tensor:
+    """OSO's two sums with each record in one column only, shape ``[n, 2]``: column 0 holds the records left whole
+    (``||g_i|| <= C_t``, weight 1), column 1 the unit directions of the clipped ones (weight ``1 / ||g_i||``, eq. 11).
+    The clipped sum (eq. 4) is column 0 plus ``C_t`` times column 1 (:func:`clipped_sum_from_split`); a layer can
+    form the two columns with one product per record (``per_sample.parts.disjoint_groups``). A norm that is not
+    finite gets 0 in both columns (a NaN is neither ``<= C_t`` nor ``> C_t``; an infinite one has ``1 / inf = 0``)."""
+    clipped = norms > clip
+    return torch.stack([(norms <= clip).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
+
+
+def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
+    """``[unclipped sum, direction sum]`` -> ``[clipped sum, direction sum]`` per parameter, in place: row 0 gains
+    ``C' x`` row 1 with ``C' = C_t (1 - 4u)`` rounded to the sums' dtype, so that a clipped record's share
+    ``C' fl(1 / N_i) g_i``, rounded twice more than the one division ``fl(C_t / N_i)`` of plain clipping, stays
+    below ``C_t / N_i`` times its gradient: the sensitivity ``C_t`` is kept with margin."""
+    scales: dict[torch.dtype, Tensor] = {}  # one C' per dtype, not per parameter (this runs every micro-batch)
+    for s in sums:
+        if s.dtype not in scales:
+            u = torch.finfo(s.dtype).eps / 2
+            # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
+            scales[s.dtype] = (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype)
+        s[0].addcmul_(s[1], scales[s.dtype])
+    return sums
+
+
+def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
+    """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
+    ``[n, 1]`` (docs/algorithms.md, "Quantile clipping"). Centring halves the sensitivity: adding or removing a record
+    moves the sum by 1/2.
+
+    A record whose norm is not finite (weight 0 in the clipped sum) contributes exactly 0, as if it were absent: not
+    ``-1/2``, which would count it as clipped and let it move ``b~_t``. Every contribution stays in ``{-1/2, 0,
+    1/2}``, so adding or removing any record still moves the sum by at most 1/2."""
+    count = (norms <= clip).to(norms.dtype) - 0.5
+    return torch.where(torch.isfinite(norms), count, 0.0).unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------------------------------- the rules
 class ClippingRule:
     """Shared plumbing of the rules: the threshold ``C_t`` as a float64 tensor on the training device, no scalar
     queries, no learning-rate factor, and a resume check on the noise multipliers.
@@ -80,7 +134,7 @@ class ClippingRule:
 
     # --- what the private step asks of a rule
     def weights(self, norms: Tensor) -> Tensor:
-        return step.clip_weights(norms, self.clip.to(norms.dtype))
+        return clip_weights(norms, self.clip.to(norms.dtype))
 
     def queries(self, sums: list[Tensor]) -> list[Tensor]:
         """The rule's query sums from the weighted sums of its weight columns (here the same)."""
@@ -180,7 +234,7 @@ class FixedQuantileClipping(ClippingRule):
 
     @override
     def scalar_queries(self, norms: Tensor) -> Tensor:
-        return step.centred_unclipped_count(norms, self.clip.to(norms.dtype))
+        return centred_unclipped_count(norms, self.clip.to(norms.dtype))
 
     @override
     def scalar_noise_stds(self) -> Tensor:
@@ -327,14 +381,14 @@ class OSOClipping(ClippingRule):
 
     @override
     def weights(self, norms: Tensor) -> Tensor:
-        """Each record in one column: left whole, or its unit direction if clipped (``step.oso_split_weights``), so
+        """Each record in one column: left whole, or its unit direction if clipped (:func:`oso_split_weights`), so
         that the layers can form both sums with one product per record; :meth:`queries` makes the clipped sum."""
-        return step.oso_split_weights(norms, self.clip.to(norms.dtype))
+        return oso_split_weights(norms, self.clip.to(norms.dtype))
 
     @override
     def queries(self, sums: list[Tensor]) -> list[Tensor]:
         """The clipped sum (eq. 4) and the direction sum (eq. 11) from the split columns."""
-        return step.clipped_sum_from_split(sums, self.clip)
+        return clipped_sum_from_split(sums, self.clip)
 
     @override
     def query_multipliers(self) -> list[float]:
@@ -360,7 +414,7 @@ class OSOClipping(ClippingRule):
         else:
             self.direction_product = self._read_direction(gradient)
             clip_sign = torch.sign(self.direction_product).to(self.clip.dtype)
-            lr_sign = torch.sign(step.flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
+            lr_sign = torch.sign(flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
             lr_factor = torch.exp(self.lr_lr * lr_sign)
         self.prev_gradient = [g.detach().clone() for g in gradient]  # a copy: p.grad is a view a user may edit
@@ -371,7 +425,7 @@ class OSOClipping(ClippingRule):
         """``g~_t . q~_{t-1}``: through the deferred query's one inner product, or (after a checkpoint or a resume)
         with the materialised ``q~_{t-1}``."""
         if isinstance(self._prev_direction, list):
-            return step.flat_dot(gradient, self._prev_direction)
+            return flat_dot(gradient, self._prev_direction)
         assert self._prev_direction is not None
         return self._prev_direction.inner(gradient)
 

@@ -33,7 +33,7 @@ from torch.utils.data import (
 )
 from torch.utils.data._utils.collate import default_collate
 
-from lightning_oso import randomness
+from lightning_oso import _compat, randomness
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.randomness import SAMPLING, Generator, RunRandomness, Seed
 from lightning_oso.validation import check_int
@@ -495,12 +495,15 @@ def index_set_of(loader: DataLoader, rank: int = 0, world_size: int = 1) -> list
                 f"{world_size} process(es) and this is process {rank}",
             )
         if isinstance(sampler, wrappers):  # Lightning's wrapper around the user's sampler: look through it
-            sampler = getattr(sampler.dataset, "_sampler", sampler)
+            inner = _compat.wrapped_sampler(sampler)
+            sampler = inner if inner is not None else sampler
         elif sampler.dataset is loader.dataset:
             return None  # Lightning's (or an equal) DistributedSampler: every record is in some process's shard
         else:
             raise _refusal(sampler, "it samples another dataset than the loader's")
-    if type(sampler) is RandomSampler and (sampler.replacement or getattr(sampler, "_num_samples", None) is not None):
+    if type(sampler) is RandomSampler and (
+        sampler.replacement or _compat.random_sampler_num_samples(sampler) is not None
+    ):
         raise _refusal(
             sampler,
             "it draws with replacement"

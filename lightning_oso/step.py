@@ -8,11 +8,13 @@ parts: :func:`clip_and_sum` (the stages before the bar, on one batch or micro-ba
 (``lightning_oso.strategies``) runs ``clip_and_sum`` after each backward pass and ``release`` once per optimizer
 step, then writes the sanitised gradient into the parameters; with ``Trainer(accumulate_grad_batches=k)`` the k
 micro-batches of one logical Poisson batch are added up before the one release (docs/algorithms.md, "What is
-private"). The tests call them too. The clipping rule (``lightning_oso.clipping``) says which weights the norms give
-and how much noise each query gets; the weight functions it uses are the ones below.
+private"). The tests call them too. The clipping rule says which weights the norms give and how much noise each
+query gets: the step asks it through :class:`StepRule`, which ``lightning_oso.clipping``'s rules (and their weight
+functions) implement; this module does not import them.
 
-What depends on the run comes in as small callables: the noise (the same draw on every process, from a stream keyed
-on the ledger's executed-step counter), the sum across processes and the ledger's write-ahead record.
+What depends on the run comes in as one :class:`ReleaseWiring`: the noise (the same draw on every process, from a
+stream keyed on the ledger's executed-step counter), the sum across processes and the ledger's write-ahead record.
+The sums of all processes come back as named :class:`Totals` (the vector queries and the scalar ones).
 
 The release is exact (docs/algorithms.md, "The exact release"): each query's raw sum, added up over the processes in
 float64, is rounded onto a power-of-two grid fixed by the noise's standard deviation alone, and discrete Gaussian
@@ -20,7 +22,7 @@ integers are added (``exact_noise``). The released value is the integer times th
 (the division by ``B``, the cast to the parameters' dtype, the optimizer, the rule's update, checkpoints) is
 post-processing, and nothing computed before it leaves the step.
 
-A rule may declare its last rows *deferred* (``ClippingRule.DEFERRED_ROWS``; OSO's direction query): such a row is
+A rule may declare its last rows *deferred* (``StepRule.DEFERRED_ROWS``; OSO's direction query): such a row is
 read by the rule only through one inner product with a later, independent vector, so it gets one integer draw
 instead of a model-sized one and is returned as a :class:`DeferredQuery`, which never releases its raw sum
 (docs/algorithms.md, "OSO-DPSGD", "One Gaussian draw per step").
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -45,14 +47,52 @@ from lightning_oso.per_sample.parts import sum_dtype
 from lightning_oso.randomness import Generator, words_of
 
 if TYPE_CHECKING:
-    from lightning_oso.clipping import ClippingRule
     from lightning_oso.per_sample import PerSampleSource
 
 #: ``(sums, stds) -> released sums``: row ``k`` of every sum on the grid of ``stds[k]`` plus exact discrete Gaussian
 #: noise of standard deviation ``stds[k]`` (float64); the same on every process.
 AddNoise = Callable[[list[Tensor], Tensor], list[Tensor]]
-#: ``tensors -> their sums over all processes`` (in place, same order).
-Reduce = Callable[[list[Tensor]], list[Tensor]]
+#: ``tensors -> None``: each tensor replaced, in place, by its sum over all processes (any return value is ignored).
+Reduce = Callable[[list[Tensor]], object]
+
+
+class StepRule(Protocol):
+    """What the step asks of a clipping rule (``lightning_oso.clipping.ClippingRule`` and its subclasses): the weights
+    of the records, the queries they make, and each query's noise. The rule's update from the released values is not
+    the step's business (the strategy calls it after the optimizer step)."""
+
+    #: the row of the vector queries that is the parameter gradient
+    GRADIENT: int
+    #: how many of the last rows are deferred queries (:class:`DeferredQuery`)
+    DEFERRED_ROWS: int
+
+    def weights(self, norms: Tensor) -> Tensor:
+        """``[n, k]``: one column per weighted sum of the per-sample gradients."""
+        ...
+
+    def queries(self, sums: list[Tensor]) -> list[Tensor]:
+        """The vector queries ``[k, *param.shape]`` per parameter, from the weighted sums of the weight columns."""
+        ...
+
+    def noise_stds(self) -> Tensor:
+        """``[k]``: each vector query's noise standard deviation."""
+        ...
+
+    def query_multipliers(self) -> list[float]:
+        """Each vector query's noise multiplier (its std over its sensitivity)."""
+        ...
+
+    def scalar_queries(self, norms: Tensor) -> Tensor | None:
+        """``[n, m]``: the records' contributions to the scalar queries, or ``None``."""
+        ...
+
+    def scalar_noise_stds(self) -> Tensor | None:
+        """``[m]``: each scalar query's noise standard deviation."""
+        ...
+
+    def scalar_query_multipliers(self) -> list[float]:
+        """Each scalar query's noise multiplier."""
+        ...
 
 
 class DeferredQuery:
@@ -125,7 +165,7 @@ class SanitisedStep:
         sums: per trainable parameter, the rule's sanitised vector queries, ``[k, *param.shape]``; row
             ``gradient_row`` is the new gradient.
         scalars: the rule's sanitised scalar queries, ``[m]`` (the quantile rule's centred count), or ``None``.
-        gradient_row: the row of ``sums`` that is the parameter's gradient (``ClippingRule.GRADIENT``).
+        gradient_row: the row of ``sums`` that is the parameter's gradient (``StepRule.GRADIENT``).
         deferred: the rule's deferred queries (OSO's direction query), one :class:`DeferredQuery` each.
     """
 
@@ -164,7 +204,57 @@ class ClippedSums:
         return sum(n.shape[0] for n in self.norms)
 
 
-def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedSums | None = None) -> ClippedSums:
+@dataclass(frozen=True)
+class ReleaseWiring:
+    """What a release (:func:`release`) needs of the run it is part of, in one object: the strategy makes one per
+    optimizer step (``PrivateTraining.privatise``); on one process, ``ReleaseWiring(gaussian_noise(generator))``.
+
+    Attributes:
+        add_noise: the noise stage, e.g. :func:`gaussian_noise`: the exact release of the summed queries, the same
+            draw on every process (the strategy keys it on the step, or sends rank 0's secure draw to all).
+        sum_across_processes: adds up, in place, the raw sums of all processes (float64); ``None`` on one process.
+        record_step: the ledger's write-ahead record of the step, called before anything of it is released.
+        materialise_noise: the noise with which a deferred query is materialised (:meth:`DeferredQuery.materialise`),
+            the same draw on every process (``None``: ``add_noise``, right on one process).
+    """
+
+    add_noise: AddNoise
+    sum_across_processes: Reduce | None = None
+    record_step: Callable[[], None] | None = None
+    materialise_noise: AddNoise | None = None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A logical batch's raw sums over all processes, in float64: what the release puts on the grid and noises.
+    Never released as such.
+
+    Attributes:
+        vectors: per trainable parameter, the rule's vector queries ``[k, *param.shape]`` (the rows released as
+            vectors first, the deferred ones last).
+        scalars: the rule's scalar queries ``[m]``, or ``None`` for a rule without them.
+    """
+
+    vectors: list[Tensor]
+    scalars: Tensor | None
+
+    def tensors(self) -> list[Tensor]:
+        """Every sum, vectors then scalars (what a sum across processes adds up in place)."""
+        return [*self.vectors, *([] if self.scalars is None else [self.scalars])]
+
+
+def total_over_processes(clipped: ClippedSums, sum_across_processes: Reduce | None = None) -> Totals:
+    """Stage 4: the clipped sums of all processes added up, in float64, before any noise, so that the grid and the
+    noise apply to the total (noise added before a sum across processes would be followed by a float addition of raw
+    values: the lattice the grid removes). ``sum_across_processes`` adds up in place; ``None`` on one process."""
+    scalars = None if clipped.scalars is None else clipped.scalars.to(torch.float64)
+    totals = Totals([s.to(torch.float64) for s in clipped.sums], scalars)
+    if sum_across_processes is not None:
+        sum_across_processes(totals.tensors())
+    return totals
+
+
+def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums | None = None) -> ClippedSums:
     """Stages 1-3 of the step on one (micro-)batch: norms -> the rule's weights -> weighted sums, added to ``into``
     (the sums of the logical batch's earlier micro-batches) or to zero. The per-sample state of ``per_sample`` is
     released once its sums are taken, so a logical batch's memory is that of its largest micro-batch plus one
@@ -204,52 +294,39 @@ def clip_and_sum(per_sample: PerSampleSource, rule: ClippingRule, into: ClippedS
     return into
 
 
-def release(
-    clipped: ClippedSums,
-    rule: ClippingRule,
-    expected_batch_size: float,
-    *,
-    add_noise: AddNoise,
-    sum_across_processes: Reduce | None = None,
-    record_step: Callable[[], None] | None = None,
-    materialise_noise: AddNoise | None = None,
-) -> SanitisedStep:
+def release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, wiring: ReleaseWiring) -> SanitisedStep:
     """Stages 4-6 of the step, once per optimizer step on a logical batch's :class:`ClippedSums`: reduce across
-    processes -> record the step in the ledger -> release on the grid with exact noise -> scale by the expected batch
-    size. Arguments as in :func:`sanitise`.
+    processes (:func:`total_over_processes`) -> record the step in the ledger -> release on the grid with exact noise
+    -> scale by the expected batch size. What the run supplies (the noise, the sum across processes, the ledger's
+    record) comes in one :class:`ReleaseWiring`; ``expected_batch_size`` is ``B = qN`` over all processes.
 
-    The raw sums of all processes are added up first, in float64, so that the grid and the noise apply to the total
-    (noise added before a sum across processes would be followed by a float addition of raw values: the lattice the
-    grid removes). Each query row's noise standard deviation is raised by :func:`exact_noise.grid_noise_std` so that
-    the grid's rounding is inside the noise multiplier the accountant sees.
+    Each query row's noise standard deviation is raised by :func:`exact_noise.grid_noise_std` so that the grid's
+    rounding is inside the noise multiplier the accountant sees. The noise is drawn in a fixed order: the vector rows,
+    then the scalar queries, then one integer per deferred row.
     """
+    add_noise = wiring.add_noise
     stds = rule.noise_stds()
     multipliers = rule.query_multipliers()
     vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
-    sums = [s.to(torch.float64) for s in clipped.sums]
-    scalar_sums = [clipped.scalars.to(torch.float64)] if clipped.scalars is not None else []
-
-    # -> reduce across processes: raw sums, before any noise
-    totals = [*sums, *scalar_sums]
-    if sum_across_processes is not None:
-        totals = sum_across_processes(totals)
-    sums, scalar_sums = totals[: len(sums)], totals[len(sums) :]
+    totals = total_over_processes(clipped, wiring.sum_across_processes)
+    released_rows = [s[:vectors] for s in totals.vectors]
+    deferred_rows = [s[vectors:] for s in totals.vectors]  # views: never noised as vectors, never returned
 
     # the write-ahead record: charged (and on disk) before anything of the step can leave this function
-    if record_step is not None:
-        record_step()
+    if wiring.record_step is not None:
+        wiring.record_step()
 
     # -> release on the grid: a model-sized integer draw on each vector row; for a deferred row, one integer (its
     # noise along the one vector it will be read with)
-    coordinates = sum(s[0].numel() for s in sums)
+    coordinates = sum(s[0].numel() for s in totals.vectors)
     row_stds = [exact_noise.grid_noise_std(stds[k], multipliers[k], coordinates) for k in range(len(stds))]
-    noisy = add_noise([s[:vectors] for s in sums], torch.stack(row_stds[:vectors])) if vectors else []
+    noisy = add_noise(released_rows, torch.stack(row_stds[:vectors])) if vectors else []
     noisy_scalars: list[Tensor] = []
-    if scalar_sums:
+    if totals.scalars is not None:
         scalar_multipliers = rule.scalar_query_multipliers()
         scalar_stds = _scalar_stds(rule)
         noisy_scalars = add_noise(
-            scalar_sums,
+            [totals.scalars],
             torch.stack([exact_noise.grid_noise_std(scalar_stds[k], m, 1) for k, m in enumerate(scalar_multipliers)]),
         )
     deferred_noise: list[Tensor] = []
@@ -264,12 +341,12 @@ def release(
     scalars = average(noisy_scalars, expected_batch_size)
     queries = tuple(
         DeferredQuery(
-            [s[vectors + row : vectors + row + 1] for s in sums],  # views: never noised as vectors, never returned
+            [s[row : row + 1] for s in deferred_rows],
             deferred_noise[0][row],
             deferred_stds[row],
             row_stds[vectors + row],
             expected_batch_size,
-            materialise_noise or add_noise,
+            wiring.materialise_noise or add_noise,
         )
         for row in range(rule.DEFERRED_ROWS)
     )
@@ -280,7 +357,7 @@ def release(
 
 def sanitise(
     per_sample: PerSampleSource,
-    rule: ClippingRule,
+    rule: StepRule,
     expected_batch_size: float,
     *,
     add_noise: AddNoise,
@@ -326,68 +403,8 @@ def sanitise(
     clipped = clip_and_sum(per_sample, rule)
     if observe_norms is not None:
         observe_norms(clipped.norms[0])
-    return release(
-        clipped,
-        rule,
-        expected_batch_size,
-        add_noise=add_noise,
-        sum_across_processes=sum_across_processes,
-        record_step=record_step,
-        materialise_noise=materialise_noise,
-    )
-
-
-# ----------------------------------------------------------------------------------------------------- weights
-def _ratio(numerator: Tensor | float, norms: Tensor) -> Tensor:
-    """``numerator / norms`` (one correctly rounded division, within ``u`` relative of the exact ratio), with a
-    subnormal result flushed to 0: a subnormal's rounding is not relative, and 0 is the safe side. A zero norm
-    counts as the smallest normal one (its weight multiplies zeros); a NaN or infinite norm gives 0."""
-    tiny = torch.finfo(norms.dtype).tiny
-    ratio = numerator / norms.clamp_min(tiny)
-    return torch.where(ratio >= tiny, ratio, 0.0)  # NaN >= tiny is False: a NaN norm's ratio is 0 too
-
-
-def clip_weights(norms: Tensor, clip: Tensor) -> Tensor:
-    """The one weight column of plain clipping (eq. 4), shape ``[n, 1]``: ``min(1, C_t / ||g_i||)``, 0 for a norm
-    that is not finite."""
-    return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)
-
-
-def oso_split_weights(norms: Tensor, clip: Tensor) -> Tensor:
-    """OSO's two sums with each record in one column only, shape ``[n, 2]``: column 0 holds the records left whole
-    (``||g_i|| <= C_t``, weight 1), column 1 the unit directions of the clipped ones (weight ``1 / ||g_i||``, eq. 11).
-    The clipped sum (eq. 4) is column 0 plus ``C_t`` times column 1 (:func:`clipped_sum_from_split`); a layer can
-    form the two columns with one product per record (``per_sample.parts.disjoint_groups``). A norm that is not
-    finite gets 0 in both columns (a NaN is neither ``<= C_t`` nor ``> C_t``; an infinite one has ``1 / inf = 0``)."""
-    clipped = norms > clip
-    return torch.stack([(norms <= clip).to(norms.dtype), torch.where(clipped, _ratio(1.0, norms), 0.0)], dim=1)
-
-
-def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
-    """``[unclipped sum, direction sum]`` -> ``[clipped sum, direction sum]`` per parameter, in place: row 0 gains
-    ``C' x`` row 1 with ``C' = C_t (1 - 4u)`` rounded to the sums' dtype, so that a clipped record's share
-    ``C' fl(1 / N_i) g_i``, rounded twice more than the one division ``fl(C_t / N_i)`` of plain clipping, stays
-    below ``C_t / N_i`` times its gradient: the sensitivity ``C_t`` is kept with margin."""
-    scales: dict[torch.dtype, Tensor] = {}  # one C' per dtype, not per parameter (this runs every micro-batch)
-    for s in sums:
-        if s.dtype not in scales:
-            u = torch.finfo(s.dtype).eps / 2
-            # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
-            scales[s.dtype] = (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype)
-        s[0].addcmul_(s[1], scales[s.dtype])
-    return sums
-
-
-def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
-    """Per-sample contributions ``b_i - 1/2`` with ``b_i = 1[||g_i|| <= C_t]`` to the quantile rule's count, shape
-    ``[n, 1]`` (docs/algorithms.md, "Quantile clipping"). Centring halves the sensitivity: adding or removing a record
-    moves the sum by 1/2.
-
-    A record whose norm is not finite (weight 0 in the clipped sum) contributes exactly 0, as if it were absent: not
-    ``-1/2``, which would count it as clipped and let it move ``b~_t``. Every contribution stays in ``{-1/2, 0,
-    1/2}``, so adding or removing any record still moves the sum by at most 1/2."""
-    count = (norms <= clip).to(norms.dtype) - 0.5
-    return torch.where(torch.isfinite(norms), count, 0.0).unsqueeze(1)
+    wiring = ReleaseWiring(add_noise, sum_across_processes, record_step, materialise_noise)
+    return release(clipped, rule, expected_batch_size, wiring)
 
 
 # ----------------------------------------------------------------------------------------------------- noise
@@ -413,7 +430,7 @@ def gaussian_noise(generator: Generator | None = None) -> AddNoise:
     return add_noise
 
 
-def _scalar_stds(rule: ClippingRule) -> Tensor:
+def _scalar_stds(rule: StepRule) -> Tensor:
     stds = rule.scalar_noise_stds()
     if stds is None:
         raise ValueError(f"{type(rule).__name__} has scalar queries but no scalar_noise_stds")

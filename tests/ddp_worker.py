@@ -125,7 +125,8 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
             "sample_rate": dp.sample_rate,
             "noise_multiplier": dp.noise_multiplier,
             "gradient_noise_multiplier": dp.gradient_noise_multiplier,
-            "stop_reason": dp.stop_reason,
+            # the plain string of the StopReason: the results are read with torch.load(weights_only=True)
+            "stop_reason": None if dp.stop_reason is None else dp.stop_reason.value,
             "seen": getattr(model, "seen", []),
             "world_size": trainer.world_size,
         },

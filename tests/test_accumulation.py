@@ -37,13 +37,8 @@ def _samples(n=10, seed=0):
 
 
 def _release(clipped, rule, noise_seed=0, record=None):
-    return step.release(
-        clipped,
-        rule,
-        expected_batch_size=8.0,
-        add_noise=step.gaussian_noise(torch.Generator().manual_seed(noise_seed)),
-        record_step=record,
-    )
+    noise = step.gaussian_noise(torch.Generator().manual_seed(noise_seed))
+    return step.release(clipped, rule, 8.0, step.ReleaseWiring(noise, record_step=record))
 
 
 @pytest.mark.parametrize(

@@ -2,18 +2,31 @@
 
 import glob
 import inspect
+import json
+import pickle
 import re
+import warnings
 from typing import get_args
 
 import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_loader
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from lightning_oso import OSODP, PURDP, DPCallback, DPStrategy, FixedQuantileDP, FixedThresholdDP, compute_epsilon
+from lightning_oso import (
+    OSODP,
+    PURDP,
+    BudgetExhaustedError,
+    DPCallback,
+    DPStrategy,
+    FixedQuantileDP,
+    FixedThresholdDP,
+    StopReason,
+    compute_epsilon,
+)
 from lightning_oso.accounting import ACCOUNTANTS, FULL_BATCH_ACCOUNTANTS
 from lightning_oso.callbacks import DPArguments, RunArguments
 from lightning_oso.callbacks.arguments import AccountantName, GradSampleMode
@@ -124,6 +137,41 @@ def test_budget_stop_with_fixed_noise_multiplier():
     assert dp.epsilon <= 1.0
     assert compute_epsilon([(2.0, 0.1, dp.steps + 1)], 1e-4) > 1.0  # the next step would have overspent
     assert "privacy budget" in dp.stop_reason
+    assert dp.stop_reason is StopReason.BUDGET and json.loads(json.dumps(dp.stop_reason)) == "privacy budget"
+
+
+def test_a_stop_reason_reads_as_the_string_it_replaced():
+    """A StopReason is the string the callbacks stored before: stored strings compare equal to it, it round-trips
+    through JSON and pickle, and its value is a plain str."""
+    assert StopReason("privacy budget") is StopReason.BUDGET
+    assert isinstance(StopReason.BUDGET, str) and type(StopReason.BUDGET.value) is str
+    assert f"{StopReason.BUDGET}" == str(StopReason.BUDGET) == "privacy budget"
+    assert pickle.loads(pickle.dumps(StopReason.BUDGET)) is StopReason.BUDGET
+
+
+def test_fixed_noise_without_a_horizon_trains_until_the_budget_is_spent():
+    """With noise_multiplier fixed, a trainer without a planned horizon (max_epochs=-1) trains until the next step
+    would overspend, and stops there."""
+    dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0)
+    trainer = make_trainer([dp], max_epochs=-1)
+    trainer.fit(ToyModel(), toy_loader())
+    assert dp.stop_reason is StopReason.BUDGET and trainer.global_step == dp.steps == dp.max_steps
+    assert dp.epsilon <= 1.0 < compute_epsilon([(2.0, 0.1, dp.steps + 1)], 1e-4)
+
+
+def test_a_step_after_the_budget_stop_raises_budget_exhausted_error():
+    """Training that goes on after the budget stop (a callback clearing should_stop) is refused before the step that
+    would overspend, with the library's own error (a RuntimeError, as before)."""
+
+    class KeepGoing(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = False
+
+    dp = OSODP(target_epsilon=1.0, target_delta=1e-4, noise_multiplier=2.0)
+    with pytest.raises(BudgetExhaustedError, match="would exceed the privacy budget") as raised:
+        make_trainer([dp, KeepGoing()], max_epochs=100).fit(ToyModel(), toy_loader())
+    assert isinstance(raised.value, RuntimeError)
+    assert dp.steps == dp.max_steps and dp.epsilon <= 1.0  # not one step over
 
 
 @pytest.mark.parametrize("grad_sample_mode", ["book_keeping", "hooks"])
@@ -277,3 +325,16 @@ def test_every_argument_is_documented(method):
         else:  # through **kwargs: in Keyword Args, with its type (no signature shows it)
             assert re.search(rf"\n        {name} \([^)]+\): ", keyword_args), name
     assert "{shared}" not in doc and "{keyword_args}" not in doc
+
+
+@pytest.mark.parametrize("grad_sample_mode", GRAD_SAMPLE_MODES)
+def test_fit_leaves_the_process_wide_warning_filters_as_they_were(grad_sample_mode, recwarn):
+    """The warning torch gives at every backward pass through Opacus' hooks (a full backward hook on a first layer
+    whose input needs no gradient) is silenced around those backward passes only: after the fit the process's
+    warning filters are the ones it had, and no such warning reached the user."""
+    before = list(warnings.filters)
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, grad_sample_mode=grad_sample_mode)
+    make_trainer([dp], max_steps=3).fit(ToyModel(), toy_loader())
+    assert dp.steps == 3
+    assert warnings.filters == before
+    assert not [w for w in recwarn if "Full backward hook is firing" in str(w.message)]

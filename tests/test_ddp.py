@@ -19,7 +19,7 @@ from lightning_oso import OSODP, DPDDPStrategy, FixedThresholdDP, compute_epsilo
 from lightning_oso.clipping import FixedThresholdClipping
 from lightning_oso.per_sample import TensorSource
 from lightning_oso.randomness import RunRandomness
-from lightning_oso.strategies import PrivateTraining
+from lightning_oso.strategies import PrivacyPlan, PrivateTraining
 from lightning_oso.validation import PrivacyConfigurationError
 
 WORKER = Path(__file__).parent / "ddp_worker.py"
@@ -183,7 +183,8 @@ class _Process(PrivateTraining):
     def __init__(self, rank, world_size, randomness, rule, expected_batch_size):
         self._init_privacy()
         self.global_rank, self.world_size, self.root_device = rank, world_size, torch.device("cpu")
-        self.randomness, self.rule, self.expected_batch_size = randomness, rule, expected_batch_size
+        self.configure_privacy(PrivacyPlan(randomness, rule=rule))
+        self.expected_batch_size = expected_batch_size
 
 
 @pytest.mark.parametrize("secure_rng", [False, True])

@@ -21,12 +21,11 @@ from lightning_oso import (
     PrivacyConfigurationError,
     compute_epsilon,
 )
-from lightning_oso.clipping import quantile_gradient_noise_multiplier
+from lightning_oso.clipping import centred_unclipped_count, quantile_gradient_noise_multiplier
 from lightning_oso.per_sample import TensorSource, per_sample_norms, weighted_sums
 from lightning_oso.step import (
     DeferredQuery,
     SanitisedStep,
-    centred_unclipped_count,
     gaussian_noise,
     sanitise,
 )

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_oso import OSODP, FixedQuantileDP, per_sample, step
+from lightning_oso import OSODP, FixedQuantileDP, clipping, per_sample, step
 from lightning_oso.clipping import FixedQuantileClipping, FixedThresholdClipping, OSOClipping
 from lightning_oso.per_sample import linear
 
@@ -283,9 +283,9 @@ def test_the_weights_and_the_count_of_a_non_finite_norm_are_zero():
     clipped nor unclipped) and the quantile rule's centred count (0, not -1/2: the record counts as absent) are 0."""
     norms = torch.tensor([0.1, 2.0, *NON_FINITE])
     clip = torch.tensor(CLIP)
-    assert step.clip_weights(norms, clip)[2:].eq(0).all()
-    assert step.oso_split_weights(norms, clip)[2:].eq(0).all()
-    assert step.centred_unclipped_count(norms, clip).flatten().tolist() == [0.5, -0.5, 0.0, 0.0]
+    assert clipping.clip_weights(norms, clip)[2:].eq(0).all()
+    assert clipping.oso_split_weights(norms, clip)[2:].eq(0).all()
+    assert clipping.centred_unclipped_count(norms, clip).flatten().tolist() == [0.5, -0.5, 0.0, 0.0]
 
 
 class Unguarded(FixedQuantileClipping):

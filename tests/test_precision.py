@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
 
 from lightning_oso import OSODP, per_sample
-from lightning_oso.step import clip_weights
+from lightning_oso.clipping import clip_weights
 from lightning_oso.validation import PrivacyConfigurationError
 
 MODES = ["book_keeping", "hooks"]

@@ -60,7 +60,7 @@ def _clipped_sum(samples, clip: float):
 def _release(samples, rule, seed: int, expected_batch_size: float = B):
     clipped = step.clip_and_sum(TensorSource([s.clone() for s in samples]), rule)
     noise = step.gaussian_noise(torch.Generator().manual_seed(seed))
-    return step.release(clipped, rule, expected_batch_size, add_noise=noise)
+    return step.release(clipped, rule, expected_batch_size, step.ReleaseWiring(noise))
 
 
 def _check_vector_release(released_sum, noiseless, std: float, multiplier: float, records=None):

@@ -3,9 +3,9 @@
 The noise is calibrated to: adding or removing one record moves the clipped sum ``sum_i w_i g_i`` by at most ``C``
 and OSO's direction sum by at most 1. That holds only if the per-sample norm ``N_i`` the weights come from is at
 least the true ``||g_i||``. Each test takes a batch of benign records plus one adversarial record, runs the
-production code (``BookKeeping``, ``step``'s weights, and end to end the DP callback through a ``Trainer``),
-and measures the move in float64 against the true per-sample gradients, computed one sample at a time with
-autograd in float64. Adversarial records: positions that nearly cancel (``x`` and ``-(1 - d) x``), a bias whose
+production code (``BookKeeping``, the rules' weights in ``clipping``, and end to end the DP callback through a
+``Trainer``), and measures the move in float64 against the true per-sample gradients, computed one sample at a time
+with autograd in float64. Adversarial records: positions that nearly cancel (``x`` and ``-(1 - d) x``), a bias whose
 positions cancel after rounding, huge scales (up to the float32 maximum), tiny values, mixed signs, on every layer
 kind of the fast path, found by a small seeded random search plus hand-crafted cases. A finite record must never
 get a non-finite norm (the step would give it weight 0: private, but its gradient would be lost).
@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_oso import step
+from lightning_oso import clipping
 from lightning_oso.clipping import OSOClipping
 from lightning_oso.per_sample import BookKeeping, linear, per_sample_norms, weighted_sums
 from lightning_oso.per_sample.parts import Instantiated
@@ -220,7 +220,7 @@ def production(layer: nn.Module, x: torch.Tensor, v: torch.Tensor, device: str =
     split = rule.weights(norms)
     weights = effective_weights(rule, split)  # each record's weight in the clipped and the direction sum
     # a clipped record's share never exceeds plain clipping's min(1, C / N)
-    clip_weights = step.clip_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
+    clip_weights = clipping.clip_weights(norms, torch.tensor(CLIP, dtype=norms.dtype))
     finite = torch.isfinite(norms)
     assert bool((weights[finite, :1] <= clip_weights[finite]).all())
     kinds = [type(part) for part in bk._compute().values()]

@@ -47,7 +47,7 @@ RELEASE = "tests/test_release_noise.py"
 MUTANTS = (
     Mutant(
         "no_clipping",
-        "lightning_oso/step.py",
+        "lightning_oso/clipping.py",
         "return _ratio(clip, norms).clamp(max=1.0).unsqueeze(1)",
         "return torch.ones_like(norms).unsqueeze(1)",
         (
@@ -58,7 +58,7 @@ MUTANTS = (
     ),
     Mutant(
         "oso_clipped_sum_without_c_t",
-        "lightning_oso/step.py",
+        "lightning_oso/clipping.py",
         "s[0].addcmul_(s[1], scales[s.dtype])",
         "s[0].add_(s[1])",
         (
@@ -82,8 +82,8 @@ MUTANTS = (
     Mutant(
         "gradient_noise_dropped",
         "lightning_oso/step.py",
-        "noisy = add_noise([s[:vectors] for s in sums], torch.stack(row_stds[:vectors])) if vectors else []",
-        "noisy = [s[:vectors].clone() for s in sums]",
+        "noisy = add_noise(released_rows, torch.stack(row_stds[:vectors])) if vectors else []",
+        "noisy = [s.clone() for s in released_rows]",
         (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[fixed]",),
         "the clipped sums released without noise",
     ),
@@ -129,7 +129,7 @@ MUTANTS = (
     ),
     Mutant(
         "late_budget_stop",
-        "lightning_oso/callbacks/base.py",
+        "lightning_oso/callbacks/_budget.py",
         "return self.max_steps is None or self.accountant.steps >= self.max_steps",
         "return self.max_steps is None or self.accountant.steps > self.max_steps",
         ("tests/test_callback.py::test_budget_stop_with_fixed_noise_multiplier",),
@@ -213,9 +213,9 @@ MUTANTS = (
     ),
     Mutant(
         "charged_at_nu_g",
-        "lightning_oso/callbacks/base.py",
-        "self._step_noise_multiplier = self._active_rule.noise_multiplier",
-        "self._step_noise_multiplier = self._active_rule.gradient_noise_multiplier",
+        "lightning_oso/strategies/private_training.py",
+        "ledger.record_step(rule.noise_multiplier, self.sample_rate)",
+        "ledger.record_step(rule.gradient_noise_multiplier, self.sample_rate)",
         ("tests/test_resume.py::test_the_ledger_holds_counts_and_mechanism_parameters_only",),
         "each step charged at the gradient's multiplier nu_g > nu: the direction query goes unpaid",
     ),
@@ -280,7 +280,7 @@ MUTANTS = (
     ),
     Mutant(
         "quantile_count_not_centred",
-        "lightning_oso/step.py",
+        "lightning_oso/clipping.py",
         "count = (norms <= clip).to(norms.dtype) - 0.5",
         "count = (norms <= clip).to(norms.dtype)",
         (f"{RELEASE}::test_the_quantile_count_is_released_with_noise_of_std_sigma_b",),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from lightning_oso.accounting.accountant import PrivacyAccountant
@@ -130,25 +129,24 @@ def ledger_history(contents: dict) -> tuple[SubsampledGaussian, ...]:
 
 class RunLedger:
     """What the private step needs of the ledger: the executed-step counter (which keys the step's noise) and the
-    write-ahead record of a released step (on disk first, then in the accountant).
+    write-ahead record of a released step, given its mechanism (on disk first, then in the accountant). It calls
+    nobody back: the strategy that releases a step says what it was.
 
     Args:
         accountant: the run's ``PrivacyAccountant``.
         file: the run's ledger file (``None`` on processes other than rank 0, or without a ledger).
-        mechanism: returns ``(nu, q)`` of the step being released.
     """
 
-    def __init__(
-        self, accountant: PrivacyAccountant, file: PrivacyLedger | None, mechanism: Callable[[], tuple[float, float]]
-    ) -> None:
-        self.accountant, self.file, self.mechanism = accountant, file, mechanism
+    def __init__(self, accountant: PrivacyAccountant, file: PrivacyLedger | None) -> None:
+        self.accountant, self.file = accountant, file
 
     @property
     def steps(self) -> int:
         return self.accountant.steps
 
-    def record_step(self) -> None:
-        noise_multiplier, sample_rate = self.mechanism()
+    def record_step(self, noise_multiplier: float, sample_rate: float) -> None:
+        """Charge one released step of the Poisson-subsampled Gaussian mechanism ``(nu, q)``: its line in the ledger
+        file, then the accountant's step."""
         if self.file is not None:
             self.file.record_step(self.accountant.steps + 1, noise_multiplier, sample_rate)
         self.accountant.step(noise_multiplier, sample_rate)

@@ -13,6 +13,7 @@ written once, in ``arguments`` (:class:`DPArguments`, with their text) and ``DPC
 effect (the tests fix the root of runs without a seed this way).
 """
 
+from lightning_oso.callbacks._budget import StopReason
 from lightning_oso.callbacks.arguments import DPArguments, RunArguments
 from lightning_oso.callbacks.base import DPCallback
 from lightning_oso.callbacks.fixed import FixedThresholdDP
@@ -29,5 +30,6 @@ __all__ = [
     "FixedQuantileDP",
     "FixedThresholdDP",
     "RunArguments",
+    "StopReason",
     "root_seed_sequence",
 ]

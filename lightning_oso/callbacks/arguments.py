@@ -56,6 +56,21 @@ class DPArguments(RunArguments, total=False):
     noise_multiplier: float | None
 
 
+def check_randomness_arguments(seed: Any, secure_rng: bool, deterministic_resume: bool) -> None:
+    """Refuse randomness settings that contradict each other: a seed for the operating system's secure generator, or a
+    deterministic resume without the seed it replays."""
+    if secure_rng and seed is not None:
+        raise PrivacyConfigurationError(
+            f"secure_rng=True draws from the operating system's secure generator, which cannot be seeded, but "
+            f"seed={seed} was passed: drop the seed (the run is then not reproducible) or set secure_rng=False"
+        )
+    if deterministic_resume and seed is None:
+        raise PrivacyConfigurationError(
+            "deterministic_resume=True repeats the randomness of the uninterrupted run, which needs its seed: pass "
+            "seed=... (or drop deterministic_resume)"
+        )
+
+
 def check_accountant(value: Any, choices: Iterable[AccountantName], delta: float) -> PrivacyAccountant:
     """The run's accountant: one of ``choices`` by name, made here for ``delta``, or a :class:`PrivacyAccountant`
     whose history the run continues, which must report epsilon at the same ``delta``."""

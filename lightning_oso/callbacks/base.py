@@ -1,25 +1,29 @@
-"""DPCallback: what every DP method shares (the shared arguments and their checks, wiring into the trainer,
-accounting, budget stop and logging). The planning (noise calibration, step budget) is ``planning``; the run across
-its fits (randomness, sessions, ledger, checkpoint state) is ``_session``; the shared arguments' types and text are
-``arguments``; the private Lightning attributes it needs are ``_compat``.
+"""DPCallback: what every DP method shares: the shared arguments and their checks, the wiring into the trainer (the
+plan handed to the strategy, the hooks of each step), and the public state. The rest is in small units beside it:
+``_planner`` (what the trainer and the loader fix for a fit's plan, and its checks), ``_budget`` (the budget stop and
+:class:`StopReason`), ``_reporting`` (what is logged and said), ``_session`` (the run across its fits: randomness,
+sessions, ledger, checkpoint state), ``arguments`` (the shared arguments' types and text); the planning's maths is
+``lightning_oso.planning``, the private Lightning attributes it needs are ``_compat``.
 """
 
 from __future__ import annotations
 
 import abc
-import math
+import dataclasses
 import os
 from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_oso import _compat, exact_noise, planning
+from lightning_oso import _compat
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
+from lightning_oso.callbacks import _planner, _reporting
+from lightning_oso.callbacks._budget import BudgetStop, StopReason
 from lightning_oso.callbacks._session import RunSession
 from lightning_oso.callbacks.arguments import (
     DEFAULT_TARGET_DELTA,
@@ -28,10 +32,11 @@ from lightning_oso.callbacks.arguments import (
     LossReduction,
     _document_shared_args,
     check_accountant,
+    check_randomness_arguments,
 )
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import PrivacyConfigurationError
-from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivateTraining
+from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivacyPlan, PrivateTraining
 from lightning_oso.validation import (
     check_bool,
     check_budget_arguments,
@@ -45,7 +50,7 @@ from lightning_oso.validation import (
 
 
 @_document_shared_args()
-class DPCallback(RunSession, abc.ABC):
+class DPCallback(Callback, abc.ABC):
     r"""What every DP method shares: Poisson sampling, per-sample clipping and noise through :class:`DPStrategy`
     (or :class:`~lightning_oso.DPDDPStrategy` on several processes), accounting, the budget stop, logging and
     resume. A method subclasses it and implements :meth:`make_rule` (and, if it has optimizer restrictions,
@@ -62,6 +67,10 @@ class DPCallback(RunSession, abc.ABC):
     parameter group's learning rate) and ``dp/epsilon`` (epsilon spent so far, at the logger's cadence,
     ``log_every_n_steps``); once, at the start: ``dp/sample_rate`` and the rule's noise multipliers
     (``dp/noise_multiplier``, ``dp/gradient_noise_multiplier``, ...).
+
+    The callback plans, the strategy runs the plan: it is handed a :class:`~lightning_oso.strategies.PrivacyPlan` when
+    the fit starts and, with the clipping rule, when training starts, and records each released step in the plan's
+    ledger; after each step the callback logs, and stops training when the budget is spent (:attr:`stop_reason`).
 
     Args:
         {shared}
@@ -98,26 +107,24 @@ class DPCallback(RunSession, abc.ABC):
         self.loss_reduction = check_choice("loss_reduction", loss_reduction, get_args(LossReduction))
         self.grad_sample_mode = check_choice("grad_sample_mode", grad_sample_mode, GRAD_SAMPLE_MODES)
         self.secure_rng = check_bool("secure_rng", secure_rng)
-        if secure_rng and seed is not None:
-            raise PrivacyConfigurationError(
-                f"secure_rng=True draws from the operating system's secure generator, which cannot be seeded, but "
-                f"seed={seed} was passed: drop the seed (the run is then not reproducible) or set secure_rng=False"
-            )
         self.seed = check_seed("seed", seed)
         self.log_nonprivate_diagnostics = check_bool("log_nonprivate_diagnostics", log_nonprivate_diagnostics)
         self.ledger_path = check_path("ledger_path", ledger_path, also=(None, False))
         self.deterministic_resume = check_bool("deterministic_resume", deterministic_resume)
-        if deterministic_resume and seed is None:
-            raise PrivacyConfigurationError(
-                "deterministic_resume=True repeats the randomness of the uninterrupted run, which needs its seed: pass "
-                "seed=... (or drop deterministic_resume)"
-            )
+        check_randomness_arguments(seed, secure_rng, deterministic_resume)
+        self._session = RunSession(
+            type(self).__name__,
+            self.accountant,
+            seed=self.seed,
+            secure_rng=self.secure_rng,
+            deterministic_resume=self.deterministic_resume,
+            ledger_path=self.ledger_path,
+        )
+        self._strategy: PrivateTraining | None = None
+        self._plan: PrivacyPlan | None = None  # what the strategy was handed last
+        self._budget = BudgetStop(type(self).__name__, self.accountant, self.target_epsilon, self.target_delta)
         self.rule: ClippingRule | None = None
-        self.max_steps: int | None = None  # the most steps the accountant's history may hold (set at train start)
-        self.stop_reason: str | None = None
-        self._epsilon_cache: tuple[int, float] | None = None
-        self._step_noise_multiplier: float | None = None
-        self._planned_steps: float | None = None  # the trainer's global step at which this fit's plan ends
+        self._epsilon_cache: tuple[tuple, float] | None = None  # ((history, epsilon_per_step), epsilon)
 
     # ------------------------------------------------------------------ what a method defines
     @abc.abstractmethod
@@ -146,18 +153,17 @@ class DPCallback(RunSession, abc.ABC):
         and sample rate, or calibrated for the ``remaining_steps`` the trainer plans; ``planning``), and the steps
         at ``(nu, sample_rate)`` that fit the budget. A method whose noise follows a schedule overrides it (``PURDP``).
         """
-        noise = self._resolve_noise_multiplier(sample_rate, remaining_steps)
-        allowed = planning.steps_within_budget(
-            noise,
+        return _planner.constant_noise_plan(
+            type(self).__name__,
+            self.accountant,
+            (self.target_epsilon, self.target_delta),
             sample_rate,
-            self.target_epsilon,
-            self.target_delta,
-            self.accountant.accountant,
-            self.accountant.history,
+            remaining_steps,
             limit,
-            epsilon_per_step=self.accountant.epsilon_per_step,
+            requested=self.requested_noise_multiplier,
+            checkpoint=lambda: self._session.checkpoint_noise_multiplier(self._config(sample_rate)),
+            spent_epsilon=lambda: self.epsilon,
         )
-        return noise, allowed
 
     # ------------------------------------------------------------------ public state
     @property
@@ -176,6 +182,17 @@ class DPCallback(RunSession, abc.ABC):
         return self._strategy.sample_rate if self._strategy is not None else None
 
     @property
+    def max_steps(self) -> int | None:
+        """The most private steps the accountant's history may hold: those taken and those the budget allows this
+        fit (known once training starts)."""
+        return self._budget.max_steps
+
+    @property
+    def stop_reason(self) -> StopReason | None:
+        """Why this callback stopped training before the trainer's plan (``None``: it did not stop it)."""
+        return self._budget.reason
+
+    @property
     def steps(self) -> int:
         """Private steps in the accountant's history (each is accounted, also those on empty batches); with a
         shared accountant this includes the steps of the runs before."""
@@ -189,30 +206,26 @@ class DPCallback(RunSession, abc.ABC):
     @property
     def epsilon(self) -> float:
         """Epsilon spent so far at ``target_delta`` (an upper bound)."""
-        steps = self.accountant.steps
-        if self._epsilon_cache is None or self._epsilon_cache[0] != steps:
-            self._epsilon_cache = (steps, self.accountant.epsilon() if steps else 0.0)
+        key = (self.accountant.history, self.accountant.epsilon_per_step)
+        if self._epsilon_cache is None or self._epsilon_cache[0] != key:
+            self._epsilon_cache = (key, self.accountant.epsilon() if self.accountant.steps else 0.0)
         return self._epsilon_cache[1]
 
     @property
-    def _active_rule(self) -> ClippingRule:
-        """The fit's clipping rule (from ``on_train_start`` on)."""
-        if self.rule is None:
-            raise RuntimeError(f"{type(self).__name__}: no clipping rule before training starts")
-        return self.rule
+    def _training(self) -> PrivateTraining:
+        """The fit's private strategy (from ``setup`` on)."""
+        if self._strategy is None:
+            raise RuntimeError(f"{type(self).__name__} has not been set up for a fit (Trainer.fit calls its setup)")
+        return self._strategy
 
     def _sampling(self) -> tuple[float, int, float]:
-        """``(q, N, B)``: the sampling rate, the number of records and the expected batch size of the fit's
-        Poisson-sampled training data (known once the strategy has made its loader)."""
-        strategy = self._training
-        q, n, b = strategy.sample_rate, strategy.num_samples, strategy.expected_batch_size
-        if q is None or n is None or b is None:
-            raise PrivacyConfigurationError("the training dataloader was not Poisson-sampled; use the DPStrategy")
-        return q, n, b
+        """``(q, N, B)`` of the fit's Poisson-sampled training data (``_planner.sampling``)."""
+        return _planner.sampling(self._training)
 
-    def _budget_spent(self) -> bool:
-        """Whether the accountant's history holds all the steps the budget allows (also before they are known)."""
-        return self.max_steps is None or self.accountant.steps >= self.max_steps
+    def _hand_plan(self, plan: PrivacyPlan) -> None:
+        """Hand the strategy the run's plan, whole (``PrivateTraining.configure_privacy``)."""
+        self._plan = plan
+        self._training.configure_privacy(plan)
 
     # ------------------------------------------------------------------ wiring
     @override
@@ -220,39 +233,9 @@ class DPCallback(RunSession, abc.ABC):
         if stage != "fit":
             return
         validate_trainer(trainer)
-        self._strategy = strategy = self._install_strategy(trainer)
-        strategy.configure_privacy(
-            self._run_randomness(trainer), loss_reduction=self.loss_reduction, grad_sample_mode=self.grad_sample_mode
-        )
-        strategy.collect_diagnostics = self.log_nonprivate_diagnostics
+        self._strategy = install_strategy(trainer, type(self).__name__)
         if self.log_nonprivate_diagnostics:
-            rank_zero_warn(
-                f"{type(self).__name__}(log_nonprivate_diagnostics=True): the nonprivate/* metrics are computed from "
-                "raw per-sample gradients and batch sizes and are NOT covered by the differential privacy guarantee."
-            )
-
-    def _install_strategy(self, trainer: Trainer) -> PrivateTraining:
-        strategy = trainer.strategy
-        if isinstance(strategy, PrivateTraining):
-            return strategy
-        if type(strategy) is SingleDeviceStrategy:
-            # The callback alone suffices on one device: take over the plain strategy (same device, accelerator,
-            # precision and checkpoint IO) before the trainer sets it up.
-            dp_strategy = DPStrategy.from_single_device(strategy)
-            _compat.replace_strategy(trainer, dp_strategy)
-            return dp_strategy
-        if isinstance(strategy, DDPStrategy):
-            raise PrivacyConfigurationError(
-                f"{type(self).__name__} cannot make training private under {type(strategy).__name__}: its "
-                "DistributedDataParallel wrapper averages raw gradients before per-sample clipping. Pass "
-                "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) instead: the processes then add up "
-                "their clipped sums and rank 0 adds the noise once."
-            )
-        raise PrivacyConfigurationError(
-            f"{type(self).__name__} cannot make training private under strategy {type(strategy).__name__}. Pass "
-            "Trainer(strategy=lightning_oso.DPStrategy(), ...) for one device or "
-            "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) for several processes (DDP)."
-        )
+            _reporting.warn_nonprivate_diagnostics(type(self).__name__)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -260,188 +243,71 @@ class DPCallback(RunSession, abc.ABC):
         validate_optimization(pl_module, trainer.optimizers)
         self.check_optimizer(trainer.optimizers[0])
         if trainer.lr_scheduler_configs and self.adapts_learning_rate:
-            rank_zero_warn(
-                "OSODP adapts the learning rate online (rho_t, applied multiplicatively to each parameter group's "
-                "lr); your lr scheduler changes it too. Chainable schedulers compose multiplicatively; schedulers "
-                "that set an absolute lr overwrite rho_t."
-            )
-        self._begin_session(trainer)
+            _reporting.warn_lr_scheduler()
+        # the session (its nonce and ledger) before the training loader is made: its sampler draws from streams keyed
+        # on the session and the ledger's step counter
+        ledger = self._session.begin(trainer)
+        plan = PrivacyPlan(
+            self._session.run_randomness(trainer),
+            ledger,
+            loss_reduction=self.loss_reduction,
+            grad_sample_mode=self.grad_sample_mode,
+            collect_diagnostics=self.log_nonprivate_diagnostics,
+        )
+        self._hand_plan(plan)
         self._training.attach_hooks()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        q, num_samples, expected_batch_size = self._sampling()
-        if self.target_delta >= 1.0 / num_samples:
-            rank_zero_warn(
-                f"target_delta={self.target_delta} is not below 1/N = {1.0 / num_samples:.3g} (N={num_samples} "
-                "records): a mechanism that publishes one random record meets such a delta. Use delta << 1/N."
-            )
-        _check_whole_logical_batches(trainer)
-        planned = trainer.estimated_stepping_batches  # optimizer steps: accumulate_grad_batches taken into account
-        remaining = planned - trainer.global_step
-        if _debug_batches(trainer):
-            # Lightning replaced max_epochs/max_steps by the debug steps: noise calibrated for them would spend the
-            # whole budget on them. The shortest plan of a real run, one epoch, instead (_debug_run says so)
-            remaining = max(remaining, self._training.steps_per_epoch or 1)
-        limit = int(planned) if math.isfinite(planned) else 10_000_000
+        fit = _planner.trainer_plan(trainer, self._training, self.target_delta)
         taken = self.accountant.steps
-        # the exact release's floating-point term, charged per step beside the accountant's epsilon: two rows of the
-        # model's size (OSO's gradient and materialised direction; one for the other rules) plus scalar queries
-        coordinates = sum(
-            p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"] if p.requires_grad
-        )
-        self.accountant.epsilon_per_step = max(
-            self.accountant.epsilon_per_step, exact_noise.floating_point_epsilon(2 * (coordinates + 1), 1)
-        )
-        noise, allowed = self.plan(q, remaining, limit)
-        self._planned_steps = trainer.global_step + remaining
-        self.max_steps = taken + allowed
-        if allowed < 1:
-            raise planning.no_step_allowed(
-                taken, lambda: self.epsilon, noise, q, self.target_epsilon, self.target_delta
-            )
-        planning.check_min_steps(
-            trainer.fit_loop.min_steps or 0,
-            trainer.fit_loop.min_epochs or 0,
-            trainer.num_training_batches / trainer.accumulate_grad_batches,  # optimizer steps per epoch
-            trainer.global_step,
-            allowed,
-        )
+        _planner.charge_release_rounding(self.accountant, fit.coordinates)
+        noise, allowed = self.plan(fit.sample_rate, fit.remaining, fit.limit)
+        self._budget.start(taken, allowed, fit.end)
+        budget = (self.target_epsilon, self.target_delta)
+        _planner.check_allowed(trainer, allowed, taken, lambda: self.epsilon, noise, fit.sample_rate, *budget)
         try:
-            rule = self.make_rule(noise, expected_batch_size)
+            rule = self.make_rule(noise, fit.expected_batch_size)
         except ValueError as err:
             raise PrivacyConfigurationError(f"{type(self).__name__}: {err}") from err
         rule.to(trainer.strategy.root_device)
-        if self._restored is not None:
-            rule.load_state_dict(self._restored["rule"])
-            self._restored = None
-        self.rule = self._training.rule = rule
+        if (restored := self._session.take_restored_rule()) is not None:
+            rule.load_state_dict(restored)
+        self.rule = rule
+        assert self._plan is not None  # handed when the fit started
+        self._hand_plan(dataclasses.replace(self._plan, rule=rule))
         self.configure_optimizer(trainer.optimizers[0], rule)
-        self.check_plan(rule, coordinates, expected_batch_size, min(int(remaining), allowed))
-
-        summary = {f"dp/{name}": value for name, value in rule.noise_multipliers().items()}
-        summary["dp/sample_rate"] = q
-        for logger in trainer.loggers:
-            logger.log_metrics(summary, step=trainer.global_step)
-        multipliers = ", ".join(f"{name}={value:.4f}" for name, value in rule.noise_multipliers().items())
-        rank_zero_info(
-            f"{type(self).__name__}: N={num_samples}, q={q:.4g} (expected batch {expected_batch_size:.1f}), "
-            f"{multipliers}; budget epsilon={self.target_epsilon:.4g} at delta={self.target_delta:.3g} allows "
-            f"{allowed} steps" + (f" after the {taken} in the accountant's history" if taken else "")
-        )
-        if _debug_batches(trainer):
-            self._debug_run(trainer, noise)
-
-    def _debug_run(self, trainer: Trainer, noise: float) -> None:
-        """Say that a ``fast_dev_run`` is a debug run, and with which noise it runs."""
-        steps = min(int(trainer.max_steps), int(trainer.num_training_batches) // trainer.accumulate_grad_batches)
-        if self.requested_noise_multiplier is not None:
-            noise_text = f"the requested noise_multiplier={noise:.4g}"
-        else:
-            noise_text = (
-                f"nu={noise:.4g}, calibrated for one epoch ({self._training.steps_per_epoch} steps), the shortest plan "
-                f"of a real run, not for the {steps} debug step(s), which would spend the whole budget on them; pass "
-                "noise_multiplier=<the planned run's dp/noise_multiplier> to debug with exactly its noise (Lightning "
-                "replaces max_epochs/max_steps by the debug steps, so the planned horizon is not known here)"
-            )
-        rank_zero_warn(
-            f"{type(self).__name__}: fast_dev_run is a debug run of {steps} private step(s), not a training run: "
-            f"the noise is {noise_text}. Its steps are charged like any other (to this run's accountant and ledger)."
-        )
-
-    def _resolve_noise_multiplier(self, sample_rate: float, remaining_steps: float) -> float:
-        """``nu`` of this fit: the requested one; on a resume with the checkpoint's budget and sample rate, the
-        checkpoint's (the uninterrupted run's plan); otherwise calibrated so that the accountant's history and the
-        ``remaining_steps`` the trainer plans meet the budget."""
-        if self.requested_noise_multiplier is not None:
-            return self.requested_noise_multiplier
-        if (planned := self._checkpoint_noise_multiplier(sample_rate)) is not None:
-            return planned
-        return planning.calibrated_noise_multiplier(
-            type(self).__name__,
-            self.target_epsilon,
-            self.target_delta,
-            sample_rate,
-            remaining_steps,
-            self.accountant.accountant,
-            self.accountant.history,
-            lambda: self.epsilon,
-            epsilon_per_step=self.accountant.epsilon_per_step,
-        )
+        self.check_plan(rule, fit.coordinates, fit.expected_batch_size, int(min(fit.remaining, allowed)))
+        name = type(self).__name__
+        _reporting.log_plan(trainer, name, rule, fit, self.target_epsilon, self.target_delta, allowed, taken)
+        if _planner.debug_batches(trainer):
+            requested = self.requested_noise_multiplier is not None
+            _reporting.warn_debug_run(trainer, name, noise, requested, self._training.steps_per_epoch)
 
     # ------------------------------------------------------------------ per step
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_noise_multiplier = self._active_rule.noise_multiplier  # what this step is accounted with
-        if self._budget_spent():
-            # should_stop was set after the last allowed step; this is the last line of defence
-            raise RuntimeError(
-                f"refusing private step {self.accountant.steps + 1}: the budget allows {self.max_steps} steps"
-            )
+        self._budget.guard()  # should_stop was set after the last allowed step; this is the last line of defence
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # the step was charged when it was released (strategy -> ledger.RunLedger.record_step)
-        rule = self._active_rule
-        pl_module.log("dp/clip", rule.clip.float(), on_step=True, on_epoch=False, batch_size=1)
-        lr = trainer.optimizers[0].param_groups[0]["lr"]
-        pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)
-        for name, value in rule.step_metrics().items():
-            pl_module.log(f"dp/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)
-        if _compat.logs_this_step(trainer) or self._budget_spent():
-            # epsilon costs an accountant evaluation: computed when a logger will record it
-            pl_module.log("dp/epsilon", self.epsilon, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
-        if self.log_nonprivate_diagnostics and self._training.diagnostics:
-            for name, value in self._training.diagnostics.items():
-                pl_module.log(f"nonprivate/{name}", value, on_step=True, on_epoch=False, batch_size=1)
-
-        should_stop = trainer.strategy.reduce_boolean_decision(self._budget_spent(), all=False)
-        if should_stop and not trainer.should_stop:
-            trainer.should_stop = True
-            if trainer.global_step < trainer.estimated_stepping_batches:
-                self.stop_reason = (
-                    f"privacy budget: step {self.accountant.steps + 1} would push epsilon over "
-                    f"target_epsilon={self.target_epsilon} (spent {self.epsilon:.4f} at delta={self.target_delta})"
-                )
-                rank_zero_info(f"{type(self).__name__}: stopping training. Reason: {self.stop_reason}")
+        # the step was charged when it was released (the strategy's record in the plan's ledger)
+        if self.rule is None:
+            raise RuntimeError(f"{type(self).__name__}: no clipping rule before training starts")
+        # epsilon costs an accountant evaluation: computed when a logger will record it
+        epsilon = (lambda: self.epsilon) if _compat.logs_this_step(trainer) or self._budget.spent() else None
+        diagnostics = self._training.diagnostics if self.log_nonprivate_diagnostics else None
+        _reporting.log_step(pl_module, trainer, self.rule, epsilon, diagnostics)
+        self._budget.after_step(trainer, lambda: self.epsilon)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        epsilon = self.epsilon
-        for logger in trainer.loggers:
-            logger.log_metrics({"dp/epsilon": epsilon}, step=trainer.global_step)
-        ended = ""
-        if _debug_batches(trainer):
-            ended = "; a fast_dev_run debug run, not a trained model"
-        elif self.stop_reason:
-            ended = f"; stopped early: {self.stop_reason}"
-        elif self._planned_steps is not None and trainer.global_step < self._planned_steps:
-            ended = self._ended_before_plan(trainer, epsilon)
-        rank_zero_info(
-            f"{type(self).__name__}: {self.accountant.steps} private steps, epsilon={epsilon:.4f} (target "
-            f"{self.target_epsilon}) at delta={self.target_delta}, final C_t={self.clip:.4g}" + ended
-        )
-
-    def _ended_before_plan(self, trainer: Trainer, epsilon: float) -> str:
-        """What the end of a fit stopped before its planned steps by something else than the budget
-        (EarlyStopping, a callback setting ``should_stop``) means for the budget."""
-        planned = int(self._planned_steps or 0)
-        share = epsilon / self.target_epsilon
-        text = (
-            f"; training ended after {trainer.global_step} of the {planned} planned optimizer steps (EarlyStopping or "
-            f"another stop), having spent {share:.0%} of the budget (epsilon={epsilon:.4f} of {self.target_epsilon})"
-        )
-        if self.requested_noise_multiplier is None:
-            text += (
-                f". The noise (nu={self.noise_multiplier:.4g}) was calibrated for the {planned} planned steps, so "
-                "the rest of the budget goes unused: had the plan (max_epochs/max_steps) been this short, the noise "
-                "would have been smaller"
-            )
-        else:
-            text += f" at the fixed noise_multiplier={self.requested_noise_multiplier:.4g}"
-        return text
+        epsilon, debug = self.epsilon, bool(_planner.debug_batches(trainer))
+        ending = self._budget.ending(trainer, debug, epsilon, self.noise_multiplier, self.requested_noise_multiplier)
+        budget = (self.target_epsilon, self.target_delta)
+        _reporting.log_end_of_fit(trainer, type(self).__name__, self.steps, epsilon, *budget, self.clip, ending)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -449,8 +315,8 @@ class DPCallback(RunSession, abc.ABC):
             self._strategy.detach_hooks()
 
     # ------------------------------------------------------------------ resume
-    @override
     def _config(self, sample_rate: float | None) -> dict:
+        """The settings a checkpoint keeps, to tell on a resume whether the plan still holds."""
         return {
             "method": type(self).__name__,
             "target_epsilon": self.target_epsilon,
@@ -461,22 +327,53 @@ class DPCallback(RunSession, abc.ABC):
             "sample_rate": sample_rate,
         }
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # One key for every DP callback and setting: a resume with another target, delta or method still finds the
+        # checkpoint's privacy state (Lightning skips a state saved under another key, and the steps taken with it)
+        return "lightning_oso.DPCallback"
 
-def _check_whole_logical_batches(trainer: Trainer) -> None:
-    """Refuse an epoch that does not hold whole logical batches under ``accumulate_grad_batches=k``: Lightning steps
-    the optimizer at an epoch's last batch, so its last step would release a part of a logical Poisson batch, which
-    is not a Poisson sample (``data.PoissonBatchSampler``)."""
-    k, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
-    if k > 1 and math.isfinite(batches) and int(batches) % k:
-        fix = f"fast_dev_run={k} (or a multiple)" if _debug_batches(trainer) else "limit_train_batches a multiple of k"
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs (``RunSession.state_dict``): the settings, the accountant's history, the rule's state
+        and where the run's ledger is; nothing before training started."""
+        if self.rule is None:
+            return {}
+        return self._session.state_dict(self._config(self._training.sample_rate), self.rule.state_dict())
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a checkpoint (``RunSession.load_state_dict``, the one restore path): the history at once, the
+        steps its ledger holds beyond it when the fit starts, the rule's state when training starts."""
+        self._session.load_state_dict(state_dict)
+
+
+def install_strategy(trainer: Trainer, name: str) -> PrivateTraining:
+    """The trainer's private strategy: its own if it is one, a :class:`DPStrategy` taking over a plain single-device
+    one (before the trainer sets it up).
+
+    Raises:
+        PrivacyConfigurationError: for any other strategy (Lightning's DDP averages raw gradients).
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, PrivateTraining):
+        return strategy
+    if type(strategy) is SingleDeviceStrategy:
+        # The callback alone suffices on one device: take over the plain strategy (same device, accelerator,
+        # precision and checkpoint IO) before the trainer sets it up.
+        dp_strategy = DPStrategy.from_single_device(strategy)
+        _compat.replace_strategy(trainer, dp_strategy)
+        return dp_strategy
+    if isinstance(strategy, DDPStrategy):
         raise PrivacyConfigurationError(
-            f"accumulate_grad_batches={k} takes one optimizer step per {k} batches (the micro-batches of one "
-            f"logical Poisson batch), but an epoch here has {int(batches)} batches (fast_dev_run or "
-            f"limit_train_batches), not a multiple of {k}: its last step would release a part of a logical batch, "
-            f"which is not a Poisson sample. Pass {fix}"
+            f"{name} cannot make training private under {type(strategy).__name__}: its "
+            "DistributedDataParallel wrapper averages raw gradients before per-sample clipping. Pass "
+            "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) instead: the processes then add up "
+            "their clipped sums and rank 0 adds the noise once."
         )
-
-
-def _debug_batches(trainer: Trainer) -> int:
-    """``fast_dev_run``'s batch count (0 when off): Lightning sets the attribute outside the Trainer's annotations."""
-    return int(getattr(trainer, "fast_dev_run", 0))
+    raise PrivacyConfigurationError(
+        f"{name} cannot make training private under strategy {type(strategy).__name__}. Pass "
+        "Trainer(strategy=lightning_oso.DPStrategy(), ...) for one device or "
+        "Trainer(strategy=lightning_oso.DPDDPStrategy(), devices=N, ...) for several processes (DDP)."
+    )

@@ -85,7 +85,8 @@ class PURDP(DPCallback):
     @property
     def _first_step(self) -> int:
         """The schedule's ``t`` of this fit's first step: 1, or where the checkpoint left off."""
-        return self._restored["rule"]["t"] if self._restored is not None else 1
+        restored = self._session.restored_rule
+        return restored["t"] if restored is not None else 1
 
     @override
     def _config(self, sample_rate: float | None) -> dict:

@@ -5,7 +5,7 @@ gradients where that is cheaper (ghost norm, Goodfellow 2015 and Li et al. 2022;
 ``grad_sample_mode="hooks"`` takes Opacus' per-sample gradients. The package, by role:
 
 - ``sources``: what the private step reads per batch (norms, then weighted sums), one source per mode, and the
-  hooks that fill them (``attach``, ``detach``);
+  hooks that fill them (``attach``, ``detach``), both modes' behind one protocol (``GradientHooks``);
 - ``hooks``: the fast path's hooks (:class:`BookKeeping`) and their per-step computation, layer by layer;
 - ``registry``: which function computes a layer's part, by layer type (as Opacus' ``grad_sample`` registry), filled
   by one file per layer kind: ``linear`` (and transformers' ``Conv1D``), ``conv`` (every padding mode, groups, 1-3
@@ -84,6 +84,8 @@ from lightning_oso.per_sample.parts import per_sample_norms, weighted_sums
 from lightning_oso.per_sample.registry import FAST_PATHS, fast_path, register_fast_path
 from lightning_oso.per_sample.sources import (
     GRAD_SAMPLE_MODES,
+    FastPathHooks,
+    GradientHooks,
     GradSampleSource,
     HookedSource,
     OpacusHooks,
@@ -99,7 +101,9 @@ __all__ = [
     "FAST_PATHS",
     "GRAD_SAMPLE_MODES",
     "BookKeeping",
+    "FastPathHooks",
     "GradSampleSource",
+    "GradientHooks",
     "HookedSource",
     "OpacusHooks",
     "PerSampleSource",

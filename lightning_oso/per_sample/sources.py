@@ -7,6 +7,9 @@
   (:class:`GradSampleSource`);
 - per-sample gradients already held as tensors (:class:`TensorSource`: tests, benchmarks, examples).
 
+The hooks of both modes implement one protocol, :class:`GradientHooks` (what a forward, a backward pass and the
+reading of a batch need of them), so that neither the strategy nor the consistency checks ask which mode they hold.
+
 A source answers, per step: :meth:`~PerSampleSource.norms`, then :meth:`~PerSampleSource.weighted_sums` with the
 clipping rule's weights, then :meth:`~PerSampleSource.release` (the private step, ``lightning_oso.step``, calls them
 in this order).
@@ -14,14 +17,17 @@ in this order).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeAlias
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
+from lightning_oso import _compat
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, Standalone, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.hooks import BookKeeping
@@ -29,6 +35,74 @@ from lightning_oso.per_sample.parts import per_sample_norms, sum_dtype, weighted
 
 #: How per-sample norms and sums are computed: the book-keeping fast path, or Opacus' per-sample gradients.
 GRAD_SAMPLE_MODES = ("book_keeping", "hooks")
+
+
+class GradientHooks(Protocol):
+    """The per-sample hooks of either mode, as the private step (``strategies.PrivateTraining``) and the consistency
+    checks (``checks``) use them, in this order per batch: :meth:`start_forward`, the forward pass,
+    :meth:`records_in_forward`, the backward pass inside :meth:`during_backward`, :meth:`end_backward`, then
+    :meth:`source` (whose ``release`` lets the batch go)."""
+
+    def start_forward(self) -> None:
+        """Before a training forward pass: forget what an earlier forward without a step kept, and switch autograd's
+        own weight gradients off where the private step replaces them (until :meth:`end_backward`)."""
+        ...
+
+    def records_in_forward(self, module: nn.Module) -> int:
+        """The records of the last forward pass, counted as the coming backward pass's per-sample gradients will
+        count them (0 if no hooked layer ran): known before backward, so that the loss can be scaled by it."""
+        ...
+
+    def during_backward(self) -> AbstractContextManager[object]:
+        """The context a backward pass through the hooks runs in."""
+        ...
+
+    def end_backward(self) -> None:
+        """After a backward pass (or a forward that raised): the trainable parameters require gradients again."""
+        ...
+
+    def source(self, params: Sequence[Tensor]) -> PerSampleSource:
+        """The last backward pass's per-sample norms and sums for ``params``.
+
+        Raises:
+            RuntimeError: a parameter received a gradient but no per-sample gradient, or backward ran more than once.
+        """
+        ...
+
+    def reset(self, module: nn.Module) -> None:
+        """Forget everything the hooks captured on ``module``, also after a forward that raised half-way."""
+        ...
+
+    def detach(self) -> None:
+        """Remove the hooks from the module."""
+        ...
+
+
+class FastPathHooks(BookKeeping):
+    """The fast path's hooks (``grad_sample_mode="book_keeping"``): :class:`~lightning_oso.per_sample.hooks.BookKeeping`
+    as a :class:`GradientHooks`."""
+
+    def start_forward(self) -> None:
+        self.clear()  # nothing from an earlier forward without a step may mix into this one
+        self.freeze()  # no autograd weight gradients: the private step replaces them (until end_backward)
+
+    def records_in_forward(self, module: nn.Module) -> int:
+        return self.forward_batch_size
+
+    def during_backward(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def end_backward(self) -> None:
+        self.unfreeze()
+
+    def source(self, params: Sequence[Tensor]) -> PerSampleSource:
+        return HookedSource(self, params)
+
+    def reset(self, module: nn.Module) -> None:
+        self.clear()
+
+    def detach(self) -> None:
+        self.remove()
 
 
 class OpacusHooks(GradSampleHooks):
@@ -80,6 +154,37 @@ class OpacusHooks(GradSampleHooks):
             self.hosts[layer].forward_batch_size = 0
             self.hosts[layer].several_backward_passes = False
 
+    # --- GradientHooks
+    def start_forward(self) -> None:
+        self.clear()  # the composite layers' observed ops of an earlier forward without a step
+
+    def records_in_forward(self, module: nn.Module) -> int:
+        """The largest record dim of the last input that Opacus' hooks keep per layer, of a recurrent layer's
+        ``max_batch_len`` (Opacus' own count), or of a composite layer's observed ops."""
+        return max(self.forward_batch_size, _captured_rows(module, self.sequence_first))
+
+    @contextlib.contextmanager
+    def during_backward(self) -> Iterator[None]:
+        # Opacus' full backward hooks on the first layer fire although its input needs no gradient, and torch warns
+        # at every backward pass; harmless, and silenced for this backward pass only
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            yield
+
+    def end_backward(self) -> None:
+        """Nothing: Opacus' hooks leave autograd's gradients on."""
+
+    def source(self, params: Sequence[Tensor]) -> PerSampleSource:
+        self.fill()
+        return GradSampleSource(params)
+
+    def reset(self, module: nn.Module) -> None:
+        self.clear()  # the composite layers' observed ops
+        _compat.forget_captured(module)
+
+    def detach(self) -> None:
+        self.cleanup()
+
     def fill(self) -> None:
         """Write the composites' per-sample gradients of the last backward pass to ``p.grad_sample`` (a mean loss's
         are multiplied by the batch size, as Opacus does), and let go of what their ops kept."""
@@ -107,10 +212,6 @@ class OpacusHooks(GradSampleHooks):
         self.clear()
 
 
-#: The hooks of either mode, as :func:`attach` returns them.
-Hooks: TypeAlias = BookKeeping | OpacusHooks
-
-
 class PerSampleSource(Protocol):
     """One batch's per-sample norms and weighted sums, as the private step reads them."""
 
@@ -132,57 +233,51 @@ class PerSampleSource(Protocol):
         ...
 
 
-def attach(module: nn.Module, mode: str, loss_reduction: str) -> Hooks:
+def attach(module: nn.Module, mode: str, loss_reduction: str) -> GradientHooks:
     """Attach the per-sample hooks of ``mode`` (one of ``GRAD_SAMPLE_MODES``) to ``module``, whose class and forward
     stay as they are."""
     if mode == "book_keeping":
-        return BookKeeping(module, loss_reduction=loss_reduction)
-    # Opacus' full backward hooks on the first layer fire although the input needs no gradient; harmless
-    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        return FastPathHooks(module, loss_reduction=loss_reduction)
     hooks = OpacusHooks(module, loss_reduction=loss_reduction)
     hooks.enable_hooks()
     return hooks
 
 
-def detach(hooks: Hooks | None) -> None:
+def detach(hooks: GradientHooks | None) -> None:
     """Remove hooks that :func:`attach` attached (nothing for ``None``)."""
-    if isinstance(hooks, BookKeeping):
-        hooks.remove()
-    elif hooks is not None:
-        hooks.cleanup()
+    if hooks is not None:
+        hooks.detach()
 
 
-def forward_batch_size(hooks: Hooks | None, module: nn.Module | None) -> int:
-    """The records of the last forward pass, counted as the coming backward pass's per-sample gradients will count
-    them (0 if no hooked layer ran): the largest record dim of the hooked layers' outputs (book-keeping hooks), or of
-    the last input that Opacus' hooks keep per layer, or a recurrent layer's ``max_batch_len`` (Opacus' own count), or
-    of a composite layer's observed ops. Known before backward, so that the loss can be scaled by it
-    (``loss_scale``)."""
-    if isinstance(hooks, BookKeeping):
-        return hooks.forward_batch_size
-    rows = hooks.forward_batch_size if isinstance(hooks, OpacusHooks) else 0
-    seq_first = hooks.sequence_first if isinstance(hooks, OpacusHooks) else set()
-    for m in module.modules() if module is not None else ():
-        rows = max(rows, int(getattr(m, "max_batch_len", 0) or 0))
-        dim = 1 if id(m) in seq_first else 0
-        for inputs in getattr(m, "activations", None) or ():
-            if inputs and isinstance(inputs[-1], Tensor) and inputs[-1].dim() > dim:
-                rows = max(rows, inputs[-1].shape[dim])
-    return rows
+def forward_batch_size(hooks: GradientHooks | None, module: nn.Module | None) -> int:
+    """The records of the last forward pass (:meth:`GradientHooks.records_in_forward`); without hooks of this module,
+    those of Opacus' hooks attached to ``module`` otherwise (0 if none ran)."""
+    if hooks is not None and module is not None:
+        return hooks.records_in_forward(module)
+    return _captured_rows(module, set()) if module is not None else 0
 
 
-def source(hooks: Hooks | None, params: Sequence[Tensor]) -> PerSampleSource:
-    """The source of the last backward pass's per-sample norms and sums for ``params``: from the fast path's
-    ``hooks``, or else from the per-sample gradients Opacus' hooks left in ``p.grad_sample``.
+def source(hooks: GradientHooks | None, params: Sequence[Tensor]) -> PerSampleSource:
+    """The source of the last backward pass's per-sample norms and sums for ``params`` (:meth:`GradientHooks.source`;
+    without hooks of this module, the per-sample gradients Opacus' hooks left in ``p.grad_sample``).
 
     Raises:
         RuntimeError: a parameter received a gradient but no per-sample gradient, or backward ran more than once.
     """
-    if isinstance(hooks, BookKeeping):
-        return HookedSource(hooks, params)
-    if isinstance(hooks, OpacusHooks):
-        hooks.fill()
-    return GradSampleSource(params)
+    return hooks.source(params) if hooks is not None else GradSampleSource(params)
+
+
+def _captured_rows(module: nn.Module, sequence_first: set[int]) -> int:
+    """The largest record dim of what Opacus' hooks captured on ``module``'s layers: a recurrent layer's
+    ``max_batch_len``, or the last input kept per layer (along dim 1 for the layers in ``sequence_first``)."""
+    rows = 0
+    for m in module.modules():
+        rows = max(rows, _compat.captured_rows(m))
+        dim = 1 if id(m) in sequence_first else 0
+        for inputs in _compat.captured_inputs(m):
+            if inputs and isinstance(inputs[-1], Tensor) and inputs[-1].dim() > dim:
+                rows = max(rows, inputs[-1].shape[dim])
+    return rows
 
 
 class GradSampleSource:

@@ -5,14 +5,16 @@ Both are :class:`PrivateTraining` (``private_training``), the private step's wir
 one thing of several processes: their sums are added up (``sum_across_processes``) before the division by ``B``, and
 only rank 0 adds noise. On one device both are trivial; ``ddp`` puts the same mechanics on Lightning's DDP.
 
-The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
-the accounting. ``Trainer(callbacks=[OSODP(...)])`` installs :class:`DPStrategy` by itself on a single device;
-``Trainer(strategy=DPStrategy(), callbacks=[OSODP(...)])`` is the explicit form.
+What the private step needs of the run comes from a DP callback such as :class:`~lightning_oso.OSODP`, in one
+:class:`PrivacyPlan` (``plan``) handed through ``PrivateTraining.configure_privacy``; the callback also does the
+accounting's checks and the budget stop. ``Trainer(callbacks=[OSODP(...)])`` installs :class:`DPStrategy` by itself
+on a single device; ``Trainer(strategy=DPStrategy(), callbacks=[OSODP(...)])`` is the explicit form.
 """
 
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES
 from lightning_oso.strategies.ddp import DPDDPStrategy
+from lightning_oso.strategies.plan import PrivacyPlan
 from lightning_oso.strategies.private_training import PrivateTraining
 from lightning_oso.strategies.single_device import DPStrategy
 
-__all__ = ["GRAD_SAMPLE_MODES", "DPDDPStrategy", "DPStrategy", "PrivateTraining"]
+__all__ = ["GRAD_SAMPLE_MODES", "DPDDPStrategy", "DPStrategy", "PrivacyPlan", "PrivateTraining"]

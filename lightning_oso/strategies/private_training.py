@@ -21,8 +21,11 @@ are added up in 3, and 4 noises, reduces, records and accounts them once. Lightn
 by k; ``backward`` multiplies it back (with the micro-batch's size, for a mean) before the backward pass, so that every
 sample's gradient is its own loss's, as without accumulation.
 
-The privacy settings (rule, seeds) come from a DP callback such as :class:`~lightning_oso.OSODP`, which also does
-the accounting.
+What the step needs of the run (the clipping rule, the random streams, the ledger, the settings) comes from a DP
+callback such as :class:`~lightning_oso.OSODP` in one :class:`~lightning_oso.strategies.PrivacyPlan`
+(``configure_privacy``). The strategy records each released step in the plan's ledger with its mechanism ``(nu, q)``
+and never calls the callback; the callback reads what it needs back (the sampling rate, the diagnostics) from the
+strategy's attributes, and does the accounting's checks and the budget stop.
 """
 
 from __future__ import annotations
@@ -36,21 +39,21 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_oso import checks, per_sample
-from lightning_oso.accounting.ledger import RunLedger
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
-from lightning_oso.errors import PrivateStepRefused
-from lightning_oso.per_sample import GRAD_SAMPLE_MODES, BookKeeping, OpacusHooks, loss_scale, norm_bounds
-from lightning_oso.per_sample.sources import Hooks
+from lightning_oso.errors import PrivacyConfigurationError, PrivateStepRefused
+from lightning_oso.per_sample import GRAD_SAMPLE_MODES, GradientHooks, loss_scale, norm_bounds
 from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
 from lightning_oso.step import (
     AddNoise,
     ClippedSums,
+    ReleaseWiring,
     SanitisedStep,
     add_gaussian_noise,
     clip_and_sum,
     release,
 )
+from lightning_oso.strategies.plan import PrivacyPlan
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -76,21 +79,13 @@ class PrivateTraining(_StrategyBase):
         world_size: int
 
     def _init_privacy(self) -> None:
-        self.rule: ClippingRule | None = None  # the clipping rule; set by the DP callback before the first step
-        #: the run's random streams (noise and sampling, keyed per step); set by the DP callback
-        self.randomness: RunRandomness | None = None
-        #: the privacy ledger's step counter and write-ahead record; set by the DP callback
-        self.ledger: RunLedger | None = None
-        self.loss_reduction = "mean"
+        #: what the DP callback planned (rule, randomness, ledger, settings); ``None``: a plain strategy
+        self.plan: PrivacyPlan | None = None
         self.num_samples: int | None = None
         self.expected_batch_size: float | None = None  # B = qN
         self.sample_rate: float | None = None
-        self.grad_sample_mode = "book_keeping"
-        self._hooks: Hooks | None = None
+        self._hooks: GradientHooks | None = None
         self._batch_size: int | None = None
-        #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless
-        #: collect_diagnostics
-        self.collect_diagnostics = False
         self._noise_stream: tuple[int, Generator] | None = None  # (step, generator) of the step being privatised
         self._training_data: tuple[Any, Any] | None = None  # (dataset, collate_fn): the structure for the checks
         #: micro-batches per optimizer step (the trainer's accumulate_grad_batches), set with the training loader
@@ -98,6 +93,8 @@ class PrivateTraining(_StrategyBase):
         #: optimizer steps per epoch of the Poisson-sampled training loader
         self.steps_per_epoch: int | None = None
         self._clipped: ClippedSums | None = None  # the logical batch's clipped sums so far (never released as such)
+        #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless the
+        #: plan's collect_diagnostics
         self.diagnostics: dict[str, Tensor] = {}
 
     @property
@@ -106,7 +103,8 @@ class PrivateTraining(_StrategyBase):
         return self.global_rank == 0
 
     def sum_across_processes(self, tensors: list[Tensor]) -> list[Tensor]:
-        """The sums of all processes (in place; identity on one process): one all-reduce per dtype."""
+        """Each tensor replaced, in place, by its sum over all processes (nothing on one process), one all-reduce per
+        dtype; returns ``tensors``."""
         if self.world_size == 1:
             return tensors
         for dtype in {t.dtype for t in tensors}:
@@ -117,30 +115,46 @@ class PrivateTraining(_StrategyBase):
                 t.copy_(chunk.view_as(t))
         return tensors
 
-    # ------------------------------------------------------------------ configuration from the callback
-    def configure_privacy(
-        self,
-        randomness: RunRandomness,
-        loss_reduction: str = "mean",
-        grad_sample_mode: str = "book_keeping",
-    ) -> None:
-        """The run's random streams (``randomness.RunRandomness``: every step's noise and Poisson draw come from a
-        stream keyed on the ledger's step counter), the reduction of the user's loss over the batch, and how
-        per-sample norms and sums are computed (one of ``GRAD_SAMPLE_MODES``)."""
-        if grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
-        self.randomness = randomness
-        self.loss_reduction = loss_reduction
-        self.grad_sample_mode = grad_sample_mode
+    # ------------------------------------------------------------------ the plan, from the callback
+    def configure_privacy(self, plan: PrivacyPlan) -> None:
+        """Take the DP callback's plan (:class:`~lightning_oso.strategies.PrivacyPlan`), whole: the run's random
+        streams, its ledger, the clipping rule once training starts, and the settings. The strategy only reads it.
+
+        Raises:
+            PrivacyConfigurationError: for a ``grad_sample_mode`` not in ``GRAD_SAMPLE_MODES``.
+        """
+        mode = plan.grad_sample_mode
+        if mode not in GRAD_SAMPLE_MODES:
+            raise PrivacyConfigurationError(
+                f"grad_sample_mode={mode!r} is not a way to compute per-sample gradients. Pass one of "
+                f"{GRAD_SAMPLE_MODES}."
+            )
+        self.plan = plan
 
     @property
     def privacy_configured(self) -> bool:
-        return self.randomness is not None
+        return self.plan is not None
+
+    @property
+    def rule(self) -> ClippingRule | None:
+        """The plan's clipping rule (``None`` before training starts, or without a plan)."""
+        return self.plan.rule if self.plan is not None else None
+
+    @property
+    def randomness(self) -> RunRandomness | None:
+        """The plan's random streams (``None`` without a plan)."""
+        return self.plan.randomness if self.plan is not None else None
+
+    @property
+    def loss_reduction(self) -> str:
+        """How the user's loss reduces over the batch (the plan's; ``"mean"`` without one)."""
+        return self.plan.loss_reduction if self.plan is not None else "mean"
 
     @property
     def executed_steps(self) -> int:
-        """The ledger's executed-step counter (0 before the callback connects a ledger)."""
-        return self.ledger.steps if self.ledger is not None else 0
+        """The ledger's executed-step counter (0 before the plan holds a ledger)."""
+        ledger = self.plan.ledger if self.plan is not None else None
+        return ledger.steps if ledger is not None else 0
 
     # ------------------------------------------------------------------ data
     @override
@@ -178,7 +192,22 @@ class PrivateTraining(_StrategyBase):
         if self._hooks is None and self.lightning_module is not None:
             # attached for a sum whatever the loss's reduction: ``backward`` scales a mean loss by the batch size
             # before the backward pass (``loss_scale``), so the hooks multiply nothing back
-            self._hooks = per_sample.attach(self.lightning_module, self.grad_sample_mode, "sum")
+            mode = self.plan.grad_sample_mode if self.plan is not None else "book_keeping"
+            self._hooks = per_sample.attach(self.lightning_module, mode, "sum")
+
+    @property
+    def hooks(self) -> GradientHooks | None:
+        """The per-sample hooks attached to the user's module (``None`` before :meth:`attach_hooks`)."""
+        return self._hooks
+
+    @property
+    def _attached_hooks(self) -> GradientHooks:
+        if self._hooks is None:
+            raise RuntimeError(
+                "the private step has no per-sample hooks to read. Train with a DP callback in "
+                "Trainer(callbacks=[...]): it attaches them when the fit starts (or call attach_hooks())."
+            )
+        return self._hooks
 
     def detach_hooks(self) -> None:
         per_sample.detach(self._hooks)
@@ -204,11 +233,10 @@ class PrivateTraining(_StrategyBase):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._batch_size = _leading_dim(batch)
-        if isinstance(self._hooks, BookKeeping):
-            self._hooks.clear()  # nothing from an earlier forward without a step may mix into this one
-            self._hooks.freeze()  # no autograd weight gradients: the private step replaces them (until unfreeze)
-        elif isinstance(self._hooks, OpacusHooks):
-            self._hooks.clear()  # the composite layers' observed ops, likewise
+        if self._hooks is not None:
+            # nothing from an earlier forward without a step may mix into this one; on the fast path, no autograd
+            # weight gradients: the private step replaces them (until end_backward)
+            self._hooks.start_forward()
         return super().training_step(*args, **kwargs)
 
     @override
@@ -227,13 +255,14 @@ class PrivateTraining(_StrategyBase):
         # multiplied back before the backward pass, so that every record's output gradients are its own loss's before
         # any 16-bit layer rounds them (a 1/n rounded there would make each record's rounding depend on n, which is
         # private), and the clipping threshold means the same with or without accumulation
-        records = per_sample.forward_batch_size(self._hooks, self.lightning_module)
+        hooks, module = self._attached_hooks, self.lightning_module
+        records = hooks.records_in_forward(module) if module is not None else 0
         scaled = loss_scale.scale_loss(closure_loss, self.loss_reduction, records, self.accumulation)
         try:
-            super().backward(scaled, optimizer, *args, **kwargs)
+            with hooks.during_backward():
+                super().backward(scaled, optimizer, *args, **kwargs)
         finally:
-            if isinstance(self._hooks, BookKeeping):
-                self._hooks.unfreeze()  # the trainable parameters are those that require gradients again
+            hooks.end_backward()  # the trainable parameters are those that require gradients again
         self._add_micro_batch(optimizer if optimizer is not None else self.optimizers[0], records)
         return closure_loss.detach()
 
@@ -245,7 +274,7 @@ class PrivateTraining(_StrategyBase):
         scaled by, if it was)."""
         if self.rule is None:
             raise RuntimeError("the private step needs a DP callback's rule")
-        source = per_sample.source(self._hooks, self._trainable(optimizer))
+        source = self._attached_hooks.source(self._trainable(optimizer))
         if source.empty and self._batch_size != 0:
             raise RuntimeError(
                 "no per-sample gradients after training_step: it returned no loss, or the loss does not depend on "
@@ -280,8 +309,8 @@ class PrivateTraining(_StrategyBase):
             try:
                 loss = closure()  # forward + backward: the hooks keep what the per-sample norms and sums need
             finally:
-                if isinstance(self._hooks, BookKeeping):
-                    self._hooks.unfreeze()
+                if self._hooks is not None:
+                    self._hooks.end_backward()
             released["step"] = self.privatise(optimizer)
             return loss
 
@@ -325,23 +354,31 @@ class PrivateTraining(_StrategyBase):
                 "and the epoch must hold whole logical batches (limit_train_batches, fast_dev_run and a checkpoint "
                 "saved between two optimizer steps can cut one)."
             )
-        if self.collect_diagnostics:
+        plan = self.plan
+        assert plan is not None  # a rule comes with a plan
+        if plan.collect_diagnostics:
             self._observe_norms(torch.cat(clipped.norms))
         with norm_bounds.exact_float32_products(self.root_device):  # sums and noise in float32 or better
-            released = release(
-                clipped,
-                self.rule,
-                self.expected_batch_size,
+            wiring = ReleaseWiring(
                 add_noise=self.add_noise,
                 sum_across_processes=self.sum_across_processes,
-                record_step=self.ledger.record_step if self.ledger is not None else None,
+                record_step=self._record_step if plan.ledger is not None else None,
                 materialise_noise=self._materialise_noise(self.executed_steps),
             )
+            released = release(clipped, self.rule, self.expected_batch_size, wiring)
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here
         for p, gradient in zip(params, released.gradients):
             p.grad = gradient.to(p.dtype)
         return released
+
+    def _record_step(self) -> None:
+        """The ledger's write-ahead record of the step being released, with its mechanism: ``nu`` of the rule that
+        noises it, ``q`` of the loader that sampled it."""
+        rule, ledger = self.rule, self.plan.ledger if self.plan is not None else None
+        if rule is None or ledger is None or self.sample_rate is None:
+            raise RuntimeError("a step is released before the plan holds its rule and ledger and the loader its rate")
+        ledger.record_step(rule.noise_multiplier, self.sample_rate)
 
     def add_noise(self, sums: list[Tensor], stds: Tensor) -> list[Tensor]:
         """The exact release of the summed queries (``step.add_gaussian_noise``), the same on every process: from this
