@@ -217,12 +217,12 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     sure = torch.where(late, 0, (lowest * one_word).to(torch.int64) >> low_bits)
     highest = ((factor * (1.0 + 2.0**-40)).clamp(max=1.0) * one_word).to(torch.int64) + 1
     never = torch.where(late, 2**verdict_bits, (highest + (2**low_bits - 1)) >> low_bits)
-    # bucket -> block; the entries past the last block's (at least 8) name the sentinel, which is always rejected
-    leftover = buckets - int(counts.sum())  # settings only: the table's shape
-    if leftover < 0:  # the 8 spare buckets absorb the float64 rounding of the shares
-        raise ValueError("the proposal's block counts exceed the bucket table: raise bucket_bits")
+    # bucket -> block; the entries past the last block's name the sentinel, which is always rejected. There are at
+    # least 7 of them (each ceil adds less than one entry, the float64 shares sum to within J 2^-52 of 1), so the table
+    # is built on the device without reading anything back
+    leftover = (buckets - counts.sum()).reshape(1)
     block = torch.repeat_interleave(
-        torch.arange(blocks + 1, device=device), torch.cat([counts, counts.new_tensor([leftover])])
+        torch.arange(blocks + 1, device=device), torch.cat([counts, leftover]), output_size=buckets
     )
 
     def with_sentinel(values: Tensor, fill: float | int) -> Tensor:
