@@ -28,6 +28,7 @@ from torch.func import functional_call, grad, vmap
 
 from lightning_oso import calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.accounting.prv import PRV_EPS_ERROR, prv_epsilon
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.per_sample.sources import GRAD_SAMPLE_MODES, attach, detach, source
 
 
@@ -67,10 +68,11 @@ def linear_layers(draw):
     )
 
 
-#: The padding modes the "hooks" path gets right: Opacus 1.6's convolution sampler unfolds the input with zero
-#: padding whatever the layer's ``padding_mode`` (test_the_hooks_path_pads_every_convolution_with_zeros below).
+#: The padding modes the "hooks" path takes: Opacus 1.6's convolution sampler unfolds the input with zero padding
+#: whatever the layer's ``padding_mode``, so the others are refused (test_the_hooks_path_refuses_... below).
 HOOKS_PADDING_MODES = ("zeros",)
-#: Whether the "hooks" path takes ``nn.LayerNorm(bias=False)``: Opacus 1.6's sampler fails on its ``bias`` of None.
+#: Whether the "hooks" path takes ``nn.LayerNorm(bias=False)``: Opacus 1.6's sampler fails on its ``bias`` of None,
+#: so it is refused.
 HOOKS_LAYER_NORM_WITHOUT_BIAS = False
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -266,32 +268,21 @@ def test_per_sample_paths_equal_the_oracle_on_many_layers(run):
     _check_both_paths(**run)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Opacus 1.6's convolution sampler pads with zeros whatever the layer's padding_mode, so the hooks path's "
-    "per-sample gradients of a reflect, replicate or circular convolution are wrong (the fast path's are right); "
-    "when this passes, add the mode to HOOKS_PADDING_MODES",
-)
 @pytest.mark.parametrize("padding_mode", [m for m in PADDING_MODES if m not in HOOKS_PADDING_MODES])
-def test_the_hooks_path_pads_every_convolution_with_zeros(padding_mode):
-    case = Case(
-        f"Conv1d(2, 3, 3, padding=1, padding_mode={padding_mode!r})",
-        lambda: nn.Conv1d(2, 3, 3, padding=1, padding_mode=padding_mode),
-        _floats(2, 6),
-    )
-    _check_both_paths(case, n=3, seed=0, mode="hooks", loss_reduction="sum", dtype=torch.float32)
+def test_the_hooks_path_refuses_a_convolution_opacus_pads_with_zeros(padding_mode):
+    """Opacus 1.6's convolution sampler pads with zeros whatever the layer's padding_mode, so its per-sample gradients
+    of a reflect, replicate or circular convolution are another layer's: the hooks path refuses the layer, naming it
+    and the fast path (which gets it right: the property test above draws every mode for it)."""
+    model = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1, padding_mode=padding_mode))
+    with pytest.raises(PrivacyConfigurationError, match=rf"padding_mode='{padding_mode}' \(0\).*book_keeping"):
+        attach(model, "hooks", "sum")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="Opacus 1.6's LayerNorm sampler reads layer.bias.requires_grad, and nn.LayerNorm(bias=False) has no bias: "
-    "the hooks path fails on it (the fast path takes it); when this passes, set HOOKS_LAYER_NORM_WITHOUT_BIAS",
-)
-def test_the_hooks_path_takes_a_layer_norm_without_bias():
-    case = Case("LayerNorm(4, bias=False)", lambda: nn.LayerNorm(4, bias=False), _floats(4))
-    _check_both_paths(case, n=3, seed=0, mode="hooks", loss_reduction="sum", dtype=torch.float32)
+def test_the_hooks_path_refuses_a_layer_norm_without_bias():
+    """Opacus 1.6's LayerNorm sampler reads ``layer.bias.requires_grad``: the hooks path refuses
+    ``nn.LayerNorm(bias=False)`` before any data, instead of an AttributeError inside backward."""
+    with pytest.raises(PrivacyConfigurationError, match=r"LayerNorm without bias \(1\).*book_keeping"):
+        attach(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, bias=False)), "hooks", "sum")
 
 
 # --------------------------------------------------------------------------------------------------------- accounting

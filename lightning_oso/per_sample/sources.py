@@ -28,6 +28,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
 from lightning_oso import _compat
+from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, Standalone, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.hooks import BookKeeping
@@ -105,6 +106,28 @@ class FastPathHooks(BookKeeping):
         self.remove()
 
 
+def _refuse_layers_opacus_gets_wrong(module: nn.Module, within: set[int]) -> None:
+    """Opacus 1.6's per-sample gradients of two layer kinds are wrong or fail (``tests/test_properties.py`` finds
+    both): its convolution sampler unfolds the input with zero padding whatever the layer's ``padding_mode`` (a
+    ``reflect``, ``replicate`` or ``circular`` convolution gets another layer's gradients), and its LayerNorm sampler
+    reads the bias of an ``nn.LayerNorm(bias=False)``. The clipped sums would still be private (norms and sums come
+    from the same vectors), but the update would not be the model's gradient: refused before any data is seen. The
+    default fast path computes both exactly."""
+    for name, layer in module.named_modules():
+        if id(layer) in within:
+            continue  # a composite's own layers: formed from its observed ops, not by Opacus
+        if isinstance(layer, nn.modules.conv._ConvNd) and layer.padding_mode != "zeros":
+            problem = f"a convolution with padding_mode={layer.padding_mode!r} ({name})"
+        elif isinstance(layer, nn.LayerNorm) and layer.elementwise_affine and layer.bias is None:
+            problem = f"an nn.LayerNorm without bias ({name})"
+        else:
+            continue
+        raise PrivacyConfigurationError(
+            f'grad_sample_mode="hooks" (Opacus\' per-sample gradients) gets {problem} wrong. '
+            'Use the default grad_sample_mode="book_keeping", which computes its per-sample gradients exactly.'
+        )
+
+
 class OpacusHooks(GradSampleHooks):
     """Opacus' per-sample gradient hooks (``grad_sample_mode="hooks"``), for every layer but the composites
     (``composite``: ``nn.MultiheadAttention``, the recurrent layers), whose per-sample gradients are formed from their
@@ -116,6 +139,7 @@ class OpacusHooks(GradSampleHooks):
     def __init__(self, module: nn.Module, loss_reduction: str) -> None:
         # set before Opacus' constructor, which walks the modules (``iterate_submodules``)
         self.hosts = {layer: Standalone() for layer in composite_layers(module)}
+        _refuse_layers_opacus_gets_wrong(module, inside(list(self.hosts)))
         self.composites = {layer: Composite(layer, host) for layer, host in self.hosts.items()}
         self._within = inside(list(self.composites))
         self.sequence_first = sequence_first(module)
