@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 #: Uniform bits per int64 word.
 WORD_BITS = 62
@@ -397,7 +398,8 @@ def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
     exponent = grid_exponent(std)
     index = grid_index(values, exponent)
     scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
-    noise = discrete_gaussian(index.shape, scale, words)
+    with record_function("lightning_oso.noise"):
+        noise = discrete_gaussian(index.shape, scale, words)
     return index.add_(noise.to(torch.float64)).mul_(power_of_two(exponent, index.device))
 
 

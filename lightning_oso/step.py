@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from lightning_oso import exact_noise
 from lightning_oso.per_sample.parts import sum_dtype
@@ -269,12 +270,14 @@ def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums 
     exactly nothing (the layers keep its values out of the products, ``per_sample.parts.zero_unweighted``), as if it
     were not in the batch. Selected elementwise, so nothing here depends on the data but the values of the sums.
     """
-    norms = per_sample.norms()
-    finite = torch.isfinite(norms).unsqueeze(1)
-    weights = torch.where(finite, rule.weights(norms), 0.0)
-    # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter was
-    # used may depend on the data
-    sums = rule.queries(per_sample.weighted_sums(weights))
+    with record_function("lightning_oso.norms"):
+        norms = per_sample.norms()
+    with record_function("lightning_oso.sums"):
+        finite = torch.isfinite(norms).unsqueeze(1)
+        weights = torch.where(finite, rule.weights(norms), 0.0)
+        # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter
+        # was used may depend on the data
+        sums = rule.queries(per_sample.weighted_sums(weights))
     per_sample.release()
     contributions = rule.scalar_queries(norms)
     scalars = torch.where(finite, contributions, 0.0).sum(dim=0) if contributions is not None else None
@@ -304,6 +307,11 @@ def release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, wi
     rounding is inside the noise multiplier the accountant sees. The noise is drawn in a fixed order: the vector rows,
     then the scalar queries, then one integer per deferred row.
     """
+    with record_function("lightning_oso.release"):
+        return _release(clipped, rule, expected_batch_size, wiring)
+
+
+def _release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, wiring: ReleaseWiring) -> SanitisedStep:
     add_noise = wiring.add_noise
     stds = rule.noise_stds()
     multipliers = rule.query_multipliers()
