@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_oso import OSODP
+from lightning_oso.clipping import DEFAULT_DIRECTION_NOISE_RATIO
 
 
 def digits_splits(seed: int = 0, validation_fraction: float = 0.125) -> tuple[TensorDataset, ...]:
@@ -167,6 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=3.0, help="initial learning rate rho_0")
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--direction-noise-ratio",
+        type=float,
+        default=DEFAULT_DIRECTION_NOISE_RATIO,
+        help="nu_q / nu (default %(default).4g; sqrt(2) minimises nu_g * nu_q, the noise of OSO's sign tests)",
+    )
     parser.add_argument("--log-dir", default="lightning_logs")
     parser.add_argument("--plot", default="docs/digits_oso.png", help="where to save the PNG of the trajectories")
     args = parser.parse_args(argv)
@@ -176,7 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
     L.seed_everything(args.seed, verbose=False)
     data = DigitsDataModule(batch_size=args.batch_size)
     model = DigitsCNN(lr=args.lr, momentum=args.momentum)
-    dp = OSODP(target_epsilon=args.epsilon, target_delta=args.delta, seed=args.seed)  # the DP streams: seeded too
+    dp = OSODP(  # the DP streams: seeded too
+        target_epsilon=args.epsilon,
+        target_delta=args.delta,
+        seed=args.seed,
+        direction_noise_ratio=args.direction_noise_ratio,
+    )
     logger = TensorBoardLogger(args.log_dir, name="digits_oso")
     trainer = L.Trainer(
         max_epochs=args.epochs,
