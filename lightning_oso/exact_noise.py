@@ -400,7 +400,7 @@ def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
     scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
     with record_function("lightning_oso.noise"):
         noise = discrete_gaussian(index.shape, scale, words)
-    return index.add_(noise.to(torch.float64)).mul_(power_of_two(exponent, index.device))
+    return index.add_(noise).mul_(power_of_two(exponent, index.device))  # int64 noise below 2^37: exact in float64
 
 
 def floating_point_epsilon(coordinates_per_step: int, steps: int) -> float:
