@@ -56,6 +56,7 @@ from lightning_oso.randomness import keyed_generator
 from lightning_oso.search import (
     SCORE_UNITS,
     LinearScalingSearch,
+    PerRecordNoisyMax,
     bounded_score,
     decompose,
     exponential_mechanism,
@@ -141,7 +142,7 @@ def linear_scaling(budget: float, args, seed: int):
         sweep_epsilons=(0.1, 0.2),
         runs_per_sweep=args.runs_per_sweep,
         seed=_streams(seed, budget, "linear_scaling"),
-        selection_epsilon=args.selection_epsilon,
+        selection=PerRecordNoisyMax(epsilon=args.selection_epsilon),
     )
     result = search.run()
     return result

@@ -208,7 +208,8 @@ class ClippedSums:
 @dataclass(frozen=True)
 class ReleaseWiring:
     """What a release (:func:`release`) needs of the run it is part of, in one object: the strategy makes one per
-    optimizer step (``PrivateTraining.privatise``); on one process, ``ReleaseWiring(gaussian_noise(generator))``.
+    optimizer step (``PrivateTraining.privatise``, from its ``strategies.release.ProcessRelease``); on one process,
+    ``ReleaseWiring(gaussian_noise(generator))``.
 
     Attributes:
         add_noise: the noise stage, e.g. :func:`gaussian_noise`: the exact release of the summed queries, the same

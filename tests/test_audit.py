@@ -22,7 +22,7 @@ from lightning_oso.audit import (
     one_run_epsilon_lower_bound,
     one_run_p_value,
 )
-from lightning_oso.strategies import PrivateTraining
+from lightning_oso.strategies.release import ProcessRelease
 
 
 def test_one_run_bound_without_delta_is_the_logit_of_the_clopper_pearson_bound():
@@ -105,7 +105,7 @@ def test_canary_slots_keep_the_dataset_size_and_give_only_the_canary_gradient():
 
 def _audit(noise: bool, monkeypatch):
     if not noise:  # the test-only hook: the sums go out unnoised; never a user option
-        monkeypatch.setattr(PrivateTraining, "add_noise", lambda self, sums, stds: sums)
+        monkeypatch.setattr(ProcessRelease, "add_noise", lambda self, sums, stds: sums)
     audit = CanaryAudit(canaries=400, seed=0)
     module = AuditedModule(nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 2)), audit.canaries, lr=0.5)
     dp = OSODP(target_epsilon=2.0, target_delta=1e-5, seed=1)
@@ -133,8 +133,8 @@ def test_audit_has_teeth_without_noise(monkeypatch):
 @pytest.mark.slow
 def test_audit_catches_noise_scaled_down(monkeypatch):
     """A subtler bug: noise at a tenth of its scale (fixed threshold). The audit's bound exceeds the claim."""
-    original = PrivateTraining.add_noise
-    monkeypatch.setattr(PrivateTraining, "add_noise", lambda self, sums, stds: original(self, sums, stds / 10))
+    original = ProcessRelease.add_noise
+    monkeypatch.setattr(ProcessRelease, "add_noise", lambda self, sums, stds: original(self, sums, stds / 10))
     audit = CanaryAudit(canaries=400, seed=0)
     module = AuditedModule(nn.Sequential(nn.Linear(10, 2)), audit.canaries, lr=0.5)
     dp = FixedThresholdDP(target_epsilon=1.0, target_delta=1e-5, clip=1.0, seed=1)

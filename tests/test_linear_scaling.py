@@ -3,7 +3,9 @@ a known line, the runs' privacy as one composition (never above the target; exac
 choice of each sweep's run (the exponential mechanism on clipped per-record scores, charged beside the runs), and
 real runs."""
 
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -14,7 +16,10 @@ from torch.utils.data import DataLoader
 from lightning_oso import FixedThresholdDP, compute_epsilon
 from lightning_oso.search import (
     SCORE_UNITS,
+    BestScore,
     LinearScalingSearch,
+    PerRecordNoisyMax,
+    PublicScore,
     bounded_score,
     decompose,
     exponential_mechanism_delta,
@@ -175,7 +180,7 @@ def test_a_falling_fit_never_shrinks_r_below_the_larger_sweeps_best():
         steps_max=1000,
         runs_per_sweep=20,
         seed=0,
-        selection="public",  # the exact best of each sweep: this test is about the guard, not the selection
+        selection=PublicScore(),  # the exact best of each sweep: this test is about the guard, not the selection
     ).run()
     assert result.line[0] < 0 and result.predicted_r < result.best_r[1]
     assert result.final_r == pytest.approx(result.best_r[1])
@@ -238,8 +243,11 @@ def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     assert (tmp_path / "fit.png").stat().st_size > 10_000
 
 
-def _search(selection_epsilon=0.05, target_epsilon=2.0, runs=4, **kwargs):
-    """A search over ``runs`` runs per sweep (nothing trained: for its selection and its planning)."""
+def _search(epsilon=0.05, target_epsilon=2.0, runs=4, **kwargs):
+    """A search over ``runs`` runs per sweep (nothing trained: for its selection and its planning), choosing with
+    ``PerRecordNoisyMax(epsilon)`` unless ``kwargs`` say how."""
+    if not kwargs.keys() & {"selection", "selection_epsilon", "score_bounds"}:
+        kwargs["selection"] = PerRecordNoisyMax(epsilon)
     return LinearScalingSearch(
         _synthetic_train(40.0, 1.0),
         target_epsilon=target_epsilon,
@@ -249,7 +257,6 @@ def _search(selection_epsilon=0.05, target_epsilon=2.0, runs=4, **kwargs):
         eta_max=1.0,
         steps_max=50,
         runs_per_sweep=runs,
-        selection_epsilon=selection_epsilon,
         seed=0,
         **kwargs,
     )
@@ -297,7 +304,13 @@ def test_the_selection_is_randomised_in_a_whole_run_and_charged_beside_the_runs(
     best_chosen = []
     for seed in range(4):
         search = LinearScalingSearch(
-            train, **_PLAN, r_range=(0.5, 200.0), steps_max=200, runs_per_sweep=4, seed=seed, selection_epsilon=1e-6
+            train,
+            **_PLAN,
+            r_range=(0.5, 200.0),
+            steps_max=200,
+            runs_per_sweep=4,
+            seed=seed,
+            selection=PerRecordNoisyMax(epsilon=1e-6),
         )
         result = search.run()
         for k, phase in enumerate(("sweep 1", "sweep 2")):
@@ -350,7 +363,7 @@ def test_a_score_that_is_not_one_value_per_record_is_refused_and_the_message_rev
     search = _search()
     with pytest.raises(PrivacyConfigurationError, match="one value per training record") as refused:
         search.select([torch.tensor(0.8125), torch.tensor(0.5)])
-    assert "0.8125" not in str(refused.value) and "selection='public'" in str(refused.value)
+    assert "0.8125" not in str(refused.value) and "selection=PublicScore()" in str(refused.value)
     with pytest.raises(PrivacyConfigurationError, match="2 dimensions") as refused:
         search.select([torch.zeros(1237, 3)] * 4)
     assert "1237" not in str(refused.value)
@@ -364,7 +377,7 @@ def test_a_score_that_is_not_one_value_per_record_is_refused_and_the_message_rev
 
 
 def test_public_selection_is_exact_uncharged_and_said_so():
-    """selection="public": the user declares the scores public; the best wins, nothing is added to the runs'
+    """selection=PublicScore(): the user declares the scores public; the best wins, nothing is added to the runs'
     figure, and the report names what is not charged."""
 
     def train(hparams, dp):
@@ -372,7 +385,7 @@ def test_public_selection_is_exact_uncharged_and_said_so():
         return -abs(math.log(hparams["eta"] * hparams["steps"]) - math.log(10.0))
 
     result = LinearScalingSearch(
-        train, **_PLAN, r_range=(0.5, 200.0), steps_max=200, runs_per_sweep=4, seed=0, selection="public"
+        train, **_PLAN, r_range=(0.5, 200.0), steps_max=200, runs_per_sweep=4, seed=0, selection=PublicScore()
     ).run()
     for k, phase in enumerate(("sweep 1", "sweep 2")):
         runs = [t for t in result.trials if t.phase == phase]
@@ -383,6 +396,58 @@ def test_public_selection_is_exact_uncharged_and_said_so():
 
 
 def test_selection_arguments_and_the_budget_they_leave():
+    with pytest.raises(PrivacyConfigurationError, match="selection must be PerRecordNoisyMax"):
+        _search(selection=BestScore())  # the grid search's option
+    with pytest.raises(PrivacyConfigurationError, match="epsilon must be a positive"):
+        PerRecordNoisyMax(epsilon=0.0)
+    with pytest.raises(PrivacyConfigurationError, match="score_bounds"):
+        PerRecordNoisyMax(score_bounds=(1.0, 0.0))
+    with pytest.raises(PrivacyConfigurationError, match="score_bounds"):
+        PerRecordNoisyMax(score_bounds=(0.0, float("inf")))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PerRecordNoisyMax().epsilon = 1.0  # type: ignore[misc]
+    assert PerRecordNoisyMax() == PerRecordNoisyMax(0.05, (0, 1)) and isinstance(_search().selection, PerRecordNoisyMax)
+    with pytest.raises(PrivacyConfigurationError, match="two selections alone"):
+        _search(1.0)  # 2 x 1.0 of a budget of 2.0
+    with pytest.raises(PrivacyConfigurationError, match="and their selections"):
+        _search(0.9, runs=10)
+    # the sampler's distance from the exact mechanism, charged as delta, is negligible beside any usual delta
+    assert exponential_mechanism_delta(100, 1.0) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "legacy, typed",
+    [
+        ({"selection": "noisy"}, PerRecordNoisyMax()),
+        ({"selection": "public"}, PublicScore()),
+        ({"selection_epsilon": 0.5}, PerRecordNoisyMax(epsilon=0.5)),
+        ({"score_bounds": (0, 2)}, PerRecordNoisyMax(score_bounds=(0.0, 2.0))),
+        (
+            {"selection": "noisy", "selection_epsilon": 0.2, "score_bounds": (-1.0, 1.0)},
+            PerRecordNoisyMax(0.2, (-1, 1)),
+        ),
+    ],
+)
+def test_the_deprecated_selection_arguments_map_to_the_typed_option(legacy, typed):
+    """The string values of ``selection`` and the loose ``selection_epsilon`` and ``score_bounds`` still plan the same
+    search, with a ``DeprecationWarning`` that names the typed option and points at the caller's line."""
+    with pytest.warns(DeprecationWarning, match=r"is deprecated: pass selection=") as caught:
+        old = _search(**legacy)
+    assert [w.filename for w in caught if w.category is DeprecationWarning] == [__file__]
+    assert type(typed).__name__ in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = _search(selection=typed)
+    assert old.selection == new.selection == typed
+    assert (old.selection_epsilon, old.score_bounds, old.selection_delta) == (
+        new.selection_epsilon,
+        new.score_bounds,
+        new.selection_delta,
+    )
+    assert old.sweep_plans == new.sweep_plans
+
+
+def test_the_deprecated_selection_arguments_are_still_checked():
     with pytest.raises(PrivacyConfigurationError, match="selection must be one of"):
         _search(selection="best")
     with pytest.raises(PrivacyConfigurationError, match="selection_epsilon"):
@@ -391,9 +456,7 @@ def test_selection_arguments_and_the_budget_they_leave():
         _search(score_bounds=(1.0, 0.0))
     with pytest.raises(PrivacyConfigurationError, match="score_bounds"):
         _search(score_bounds=(0.0, float("inf")))
-    with pytest.raises(PrivacyConfigurationError, match="two selections alone"):
-        _search(selection_epsilon=1.0)  # 2 x 1.0 of a budget of 2.0
-    with pytest.raises(PrivacyConfigurationError, match="and their selections"):
-        _search(selection_epsilon=0.9, runs=10)
-    # the sampler's distance from the exact mechanism, charged as delta, is negligible beside any usual delta
-    assert exponential_mechanism_delta(100, 1.0) < 1e-10
+    with pytest.raises(PrivacyConfigurationError, match="give selection_epsilon to the selection option"):
+        _search(selection=PerRecordNoisyMax(0.1), selection_epsilon=0.2)
+    with pytest.raises(PrivacyConfigurationError, match="give score_bounds to the selection option"):
+        _search(selection=PublicScore(), score_bounds=(0.0, 1.0))

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from lightning_oso import OSODP, FixedThresholdDP, PrivacyConfigurationError, step
 from lightning_oso.clipping import OSOClipping
 from lightning_oso.per_sample import BookKeeping, TensorSource, attach, detach, source
-from lightning_oso.strategies.private_training import PrivateTraining
+from lightning_oso.strategies.release import ProcessRelease
 
 VOCAB = 257  # bytes and an end-of-text token
 TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a GPT-2 block (attention and MLP)
@@ -169,13 +169,13 @@ def test_private_training_touches_only_the_adapters_and_noises_their_size(monkey
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     adapters = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     draws: list[list[torch.Size]] = []
-    add_noise = PrivateTraining.add_noise
+    add_noise = ProcessRelease.add_noise
 
     def spy(self, sums, stds):
         draws.append([s.shape for s in sums])
         return add_noise(self, sums, stds)
 
-    monkeypatch.setattr(PrivateTraining, "add_noise", spy)
+    monkeypatch.setattr(ProcessRelease, "add_noise", spy)
     grads_seen = []
 
     class Watch(L.Callback):

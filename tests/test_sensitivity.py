@@ -458,8 +458,9 @@ def _released_through_trainer(monkeypatch, x, v, mode, device="cpu"):
     (a batch as large as the dataset samples at rate 1): the released sums, times the expected batch size."""
     from lightning_oso import OSODP
     from lightning_oso.strategies import PrivateTraining
+    from lightning_oso.strategies.release import ProcessRelease
 
-    monkeypatch.setattr(PrivateTraining, "add_noise", lambda self, sums, stds: sums)
+    monkeypatch.setattr(ProcessRelease, "add_noise", lambda self, sums, stds: sums)
     captured = {}
     original = PrivateTraining.privatise
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.fallback import Generators, opacus_fallback
+from lightning_oso.per_sample.frozen import FrozenWeights
 from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts, tied
 from lightning_oso.per_sample.registry import fast_path
 
@@ -59,8 +60,8 @@ class BookKeeping:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
-        self._anchors: dict[tuple, Tensor] = {}
-        self._frozen: dict[nn.Module, list[nn.Parameter]] | None = None  # per layer, while frozen
+        #: autograd's own weight gradients, switched off during the private step's backward (:meth:`freeze`)
+        self._weights = FrozenWeights()
         #: layers observed op by op (``composite``): they own their submodules' parameters too
         self.composites = {layer: Composite(layer, self) for layer in composite_layers(module)}
         within = inside(list(self.composites))
@@ -126,8 +127,8 @@ class BookKeeping:
     @property
     def parameters(self) -> list[nn.Parameter]:
         """The trainable parameters of the hooked layers (frozen ones included, see :meth:`freeze`)."""
-        if self._frozen is not None:
-            params = [p for params in self._frozen.values() for p in params]
+        if self._weights.active:
+            params = self._weights.parameters()
         else:
             params = [p for layer in self._owners for p in self._owned(layer) if p.requires_grad]
         return list({id(p): p for p in params}.values())  # a tied parameter once
@@ -159,25 +160,14 @@ class BookKeeping:
 
     # --- hooks
     def freeze(self) -> None:
-        """Switch autograd's own gradients off for the hooked layers' parameters until :meth:`unfreeze`.
-
-        The private step replaces them anyway: what it needs comes from the hooks, so skipping them saves a
-        weight-gradient product per layer (a third of the backward pass) and the ``.grad`` buffers. The hooked
-        layers' outputs are made to require gradients so that backward still reaches every one of them.
-        """
-        if self._frozen is None:
-            self._frozen = {layer: [p for p in self._owned(layer) if p.requires_grad] for layer in self._owners}
-            self._set_requires_grad(self.parameters, False)
+        """Switch autograd's own gradients off for the hooked layers' parameters until :meth:`unfreeze`
+        (``frozen.FrozenWeights``): the private step replaces them. The hooked layers' outputs are made to require
+        gradients so that backward still reaches every one of them."""
+        if not self._weights.active:
+            self._weights.freeze({layer: [p for p in self._owned(layer) if p.requires_grad] for layer in self._owners})
 
     def unfreeze(self) -> None:
-        if self._frozen is not None:
-            self._set_requires_grad(self.parameters, True)
-            self._frozen = None
-
-    @staticmethod
-    def _set_requires_grad(params: Iterable[nn.Parameter], value: bool) -> None:
-        for p in params:
-            p.requires_grad_(value)
+        self._weights.unfreeze()
 
     def _expand_shared_indices(self, layer: nn.Module, inputs: tuple) -> tuple | None:
         """An embedding looked up on indices shared by every record, ``[1, T]`` (transformers' position ids and
@@ -204,12 +194,9 @@ class BookKeeping:
                 break
         if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
             return None  # evaluation, or a fallback sampler re-running the layer
-        replaced = None
-        if self._frozen is not None and not output.requires_grad and output.is_floating_point():
-            # a first layer: neither its input nor its (frozen) parameters need a gradient, so backward would stop
-            # short of it. Adding a zero that requires one makes the output a non-leaf that does (an in-place op
-            # after the layer, e.g. ReLU(inplace=True), stays legal, as it would not on a leaf).
-            output = replaced = output + self._anchor(output)
+        # a first layer's output, while frozen, is kept on backward's path (``FrozenWeights.anchored``)
+        anchored = self._weights.anchored(output)
+        replaced, output = (None if anchored is output else anchored), anchored
         if not output.requires_grad:
             return None  # a forward that backward will not reach
         if output.dim() > dim:
@@ -228,9 +215,7 @@ class BookKeeping:
 
     # --- what a composite layer reports (``composite.Host``)
     def anchored(self, output: Tensor) -> Tensor:
-        if self._frozen is not None and not output.requires_grad and output.is_floating_point():
-            return output + self._anchor(output)  # as for a first layer (``_capture_input``)
-        return output
+        return self._weights.anchored(output)  # as for a first layer (``_capture_input``)
 
     def forward_records(self, n: int) -> None:
         self._forward_batch = max(self._forward_batch, n)
@@ -241,12 +226,6 @@ class BookKeeping:
 
     def repeated_backward(self) -> None:
         self.several_backward_passes = True
-
-    def _anchor(self, like: Tensor) -> Tensor:
-        key = (like.device, like.dtype)
-        if key not in self._anchors:
-            self._anchors[key] = torch.zeros((), device=like.device, dtype=like.dtype, requires_grad=True)
-        return self._anchors[key]
 
     def _capture_backprop(self, layer: nn.Module, call: int, grad: Tensor) -> None:
         # a mean loss's 1/n is undone in norms() and weighted_sums(), not by a copy here
@@ -274,21 +253,18 @@ class BookKeeping:
         keywords: list[dict],
         generators: list[Generators | None] | None = None,
     ) -> Any:
-        # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: lift the freeze
-        # of this layer's parameters while its part is computed
-        frozen = self._frozen.get(layer, ()) if self._frozen is not None else ()
+        # the layer functions (and Opacus' samplers) skip parameters that do not require gradients: the freeze of
+        # this layer's parameters is lifted while its part is computed
         kind = self._kinds[layer]
         self._computing = True
         try:
-            self._set_requires_grad(frozen, True)
-            with torch.no_grad(), nb.exact_float32_products(backprops[0].device):
+            with self._weights.lifted(layer), torch.no_grad(), nb.exact_float32_products(backprops[0].device):
                 if kind is None:
                     return opacus_fallback(layer, inputs, backprops, keywords, generators)
                 # norms and sums at least in float32: half-precision norms would misplace the clipping threshold
                 inputs = [tuple(at_least_float32(x) for x in call) for call in inputs]
                 return kind(layer, inputs, [at_least_float32(g) for g in backprops])
         finally:
-            self._set_requires_grad(frozen, False)
             self._computing = False
 
     # --- what the private step asks

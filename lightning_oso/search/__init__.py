@@ -3,8 +3,10 @@
 - :mod:`~lightning_oso.search.harness`: what every search shares (the budget's checks, a seed per run spawned from
   the search's seed, running ``train_fn``, charging the run to the search's accounting) and the ``train_fn`` contract;
 - :mod:`~lightning_oso.search.grid`: the honest grid search (composition of all runs, or Liu-Talwar random stopping);
-- :mod:`~lightning_oso.search.options`: its typed options, how the runs are accounted (:class:`Composition`,
-  :class:`RandomStopping`) and how the winner is chosen (:class:`BestScore`, :class:`NoisyMax`);
+- :mod:`~lightning_oso.search.options`: the searches' typed options, how the grid's runs are accounted
+  (:class:`Composition`, :class:`RandomStopping`) and how its winner is chosen (:class:`BestScore`,
+  :class:`NoisyMax`), and how the linear scaling search chooses each sweep's run (:class:`PerRecordNoisyMax`,
+  :class:`PublicScore`);
 - :mod:`~lightning_oso.search.selection`: the maths of random stopping and of private selection (the exponential
   mechanism, and scores whose sensitivity is enforced);
 - :mod:`~lightning_oso.search.result`: what a grid search returns;
@@ -22,11 +24,15 @@ from lightning_oso.search.linear_scaling import (
 )
 from lightning_oso.search.options import (
     ACCOUNTINGS,
+    LINEAR_SELECTIONS,
     SELECTIONS,
     Accounting,
     BestScore,
     Composition,
+    LinearSelection,
     NoisyMax,
+    PerRecordNoisyMax,
+    PublicScore,
     RandomStopping,
     Selection,
 )
@@ -45,6 +51,7 @@ from lightning_oso.search.selection import (
 
 __all__ = [
     "ACCOUNTINGS",
+    "LINEAR_SELECTIONS",
     "SCORE_UNITS",
     "SELECTIONS",
     "Accounting",
@@ -53,8 +60,11 @@ __all__ = [
     "HonestGridSearch",
     "LinearScalingResult",
     "LinearScalingSearch",
+    "LinearSelection",
     "NoisyMax",
+    "PerRecordNoisyMax",
     "PrivateSearch",
+    "PublicScore",
     "RandomStopping",
     "RunOutcome",
     "RunRecord",

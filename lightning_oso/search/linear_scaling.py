@@ -16,14 +16,15 @@ noise is calibrated so that the whole procedure meets the user's target, and ``e
 
 The choice of each sweep's best run is a mechanism too: the paper picks it on un-noised training accuracy, which
 lets ``r*``, and with it the final run's ``(eta, T)``, depend on the training data without bound. Here (the default,
-``selection="noisy"``) ``train_fn`` returns one score per training record; :func:`~lightning_oso.search.selection.
-bounded_score` clips each to ``score_bounds`` and sums them in integer units, ``2^24`` to a record. Adding or removing
-one record moves every run's sum by 0 to ``2^24`` units, in the same direction for all runs (a monotone utility),
-so the exponential mechanism with weights ``exp(selection_epsilon * sum / 2^24)`` is ``selection_epsilon``-DP per
-sweep. The two selections are added to the PRV figure of the runs by basic composition:
+``selection=PerRecordNoisyMax()``) ``train_fn`` returns one score per training record;
+:func:`~lightning_oso.search.selection.bounded_score` clips each to ``score_bounds`` and sums them in integer units,
+``2^24`` to a record. Adding or removing one record moves every run's sum by 0 to ``2^24`` units, in the same
+direction for all runs (a monotone utility), so the exponential mechanism with weights
+``exp(selection_epsilon * sum / 2^24)`` is ``selection_epsilon``-DP per sweep. The two selections are added to the
+PRV figure of the runs by basic composition:
 ``epsilon = epsilon_runs(delta_runs) + 2 selection_epsilon`` at ``delta = delta_runs + delta_selection``, where
 ``delta_selection`` (below ``1e-10``) bounds the sampler's floating-point distance from the exact mechanism. With
-``selection="public"`` the user declares that the scores come from data that is not private (a public held-out
+``selection=PublicScore()`` the user declares that the scores come from data that is not private (a public held-out
 split): the choice is then exact and not charged, and the report says so.
 
 Pure functions (:func:`decompose`, :func:`fit_line`) hold the maths; :class:`LinearScalingSearch` runs the three
@@ -43,6 +44,13 @@ import torch
 from lightning_oso.accounting import AccountantName, PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.search.harness import PrivateSearch, TrainFn
+from lightning_oso.search.options import (
+    LINEAR_SELECTIONS,
+    LinearSelection,
+    PerRecordNoisyMax,
+    PublicScore,
+    linear_selection_option,
+)
 from lightning_oso.search.result import LinearScalingResult, Trial
 from lightning_oso.search.selection import (
     SCORE_UNITS,
@@ -50,9 +58,10 @@ from lightning_oso.search.selection import (
     exponential_mechanism,
     exponential_mechanism_delta,
 )
-from lightning_oso.validation import check_choice, check_int, check_number
+from lightning_oso.validation import check_int, check_number
 
-SELECTIONS = ("noisy", "public")
+#: the deprecated string values of ``selection`` (``options.LINEAR_SELECTIONS``)
+SELECTIONS = LINEAR_SELECTIONS
 
 __all__ = ["SELECTIONS", "LinearScalingResult", "LinearScalingSearch", "Trial", "decompose", "fit_line"]
 
@@ -90,13 +99,14 @@ class LinearScalingSearch(PrivateSearch):
     What ``train_fn`` returns as its score (alone, or under key ``"score"`` of a mapping with other metrics to keep)
     selects the best run of each sweep:
 
-    - ``selection="noisy"`` (default): one value per training record, a 1-D tensor (the paper's training accuracy
+    - ``selection=PerRecordNoisyMax(epsilon, score_bounds)`` (default ``PerRecordNoisyMax()``: ``epsilon=0.05``,
+      ``score_bounds=(0, 1)``): one value per training record, a 1-D tensor (the paper's training accuracy
       becomes ``(model(x).argmax(1) == y).float()`` over the training set), each a function of its record and the
       trained model alone. Each value is clipped to ``score_bounds`` (non-finite: the worst bound) and the run's
       values summed (:func:`~lightning_oso.search.selection.bounded_score`); one record moves every run's sum in
       the same direction by at most one record's share, so the exponential mechanism with weights
-      ``exp(selection_epsilon * sum / share)`` picks each sweep's run ``selection_epsilon``-DP.
-    - ``selection="public"``: a number computed on data that is not private (a public held-out split); the best
+      ``exp(epsilon * sum / share)`` picks each sweep's run ``epsilon``-DP; the procedure charges twice this.
+    - ``selection=PublicScore()``: a number computed on data that is not private (a public held-out split); the best
       one wins, uncharged, and the report says so.
 
     Args:
@@ -115,13 +125,15 @@ class LinearScalingSearch(PrivateSearch):
         seed: the root of the procedure's randomness (an int, a ``numpy.random.SeedSequence``, or ``None`` for 128
             bits from the operating system): the draws of ``r``, the selections and every run's streams are derived
             from it.
-        selection: ``"noisy"`` (default) or ``"public"`` (see above).
-        selection_epsilon: the epsilon of each sweep's choice (``"noisy"``); the procedure charges twice this.
-        score_bounds: ``(lo, hi)``, the range each record's score is clipped to (``"noisy"``; accuracy: (0, 1)).
+        selection: :class:`~lightning_oso.search.PerRecordNoisyMax` (default) or
+            :class:`~lightning_oso.search.PublicScore` (see above).
+        selection_epsilon: deprecated: ``PerRecordNoisyMax(epsilon=...)``.
+        score_bounds: deprecated: ``PerRecordNoisyMax(score_bounds=...)``. The string values of ``selection``
+            (``"noisy"``, ``"public"``) and these two are mapped to the typed option with a ``DeprecationWarning``.
 
     Raises:
         PrivacyConfigurationError: for an invalid argument, when the sweeps and the selections alone would spend
-            the budget, or (``"noisy"``) when ``train_fn`` returns a score that is not one value per record.
+            the budget, or (``PerRecordNoisyMax``) when ``train_fn`` returns a score that is not one value per record.
 
     Example:
         With Lightning, ``train_fn`` fits one model (see docs/guide/searches.md); here a stand-in charges the steps
@@ -159,18 +171,17 @@ class LinearScalingSearch(PrivateSearch):
         mode: str = "max",
         accountant: AccountantName = "prv",
         seed: int | np.random.SeedSequence | None = None,
-        selection: str = "noisy",
-        selection_epsilon: float = 0.05,
-        score_bounds: tuple[float, float] = (0.0, 1.0),
+        selection: LinearSelection | str = PerRecordNoisyMax(),  # noqa: B008 (a frozen, immutable option)
+        selection_epsilon: float | None = None,
+        score_bounds: tuple[float, float] | None = None,
     ) -> None:
         super().__init__(train_fn, target_epsilon, target_delta, mode, accountant, seed)
-        self.selection = check_choice("selection", selection, SELECTIONS)
-        if selection == "noisy":
-            self.selection_epsilon = check_number("selection_epsilon", selection_epsilon, positive=True)
-            _check_score_bounds(score_bounds)
-        else:
-            self.selection_epsilon = 0.0
-        self.score_bounds = (float(score_bounds[0]), float(score_bounds[1]))
+        self.selection: LinearSelection = linear_selection_option(selection, selection_epsilon, score_bounds)
+        noisy = isinstance(self.selection, PerRecordNoisyMax)
+        # the epsilon of each sweep's choice (0 for PublicScore) and the range of a record's score
+        per_record = self.selection if isinstance(self.selection, PerRecordNoisyMax) else None
+        self.selection_epsilon = per_record.epsilon if per_record is not None else 0.0
+        self.score_bounds = (per_record or PerRecordNoisyMax()).score_bounds
         _check_plan(sample_rate, r_range, sweep_epsilons)
         self.eta_max = check_number("eta_max", eta_max, positive=True)
         self.steps_max = check_int("steps_max", steps_max, minimum=1)
@@ -183,7 +194,6 @@ class LinearScalingSearch(PrivateSearch):
         self.sweep_epsilons = (float(sweep_epsilons[0]), float(sweep_epsilons[1]))
         # Basic composition of the runs' (epsilon, delta) with the two selections: each is selection_epsilon-DP up
         # to the sampler's floating-point distance from the exact mechanism, charged as delta.
-        noisy = self.selection == "noisy"
         self.selections_epsilon = 2 * self.selection_epsilon
         self.selection_delta = (
             2 * exponential_mechanism_delta(self.runs_per_sweep, self.selection_epsilon) if noisy else 0.0
@@ -193,7 +203,8 @@ class LinearScalingSearch(PrivateSearch):
         if self.training_epsilon <= 0:
             raise PrivacyConfigurationError(
                 f"the two selections alone spend epsilon=2 x {self.selection_epsilon:g} of target_epsilon="
-                f"{self.target_epsilon}, leaving nothing for the runs: lower selection_epsilon"
+                f"{self.target_epsilon}, leaving nothing for the runs: lower the selection's epsilon "
+                "(PerRecordNoisyMax(epsilon=...))"
             )
         # The sweeps are planned before any data is touched (r is drawn independently of the data), so a budget
         # they would exhaust is refused up front.
@@ -205,7 +216,7 @@ class LinearScalingSearch(PrivateSearch):
                 f"the two sweeps alone spend epsilon={self.sweeps_epsilon:.4g}"
                 + (f" and their selections 2 x {self.selection_epsilon:g}" if noisy else "")
                 + f" of target_epsilon={self.target_epsilon}, leaving nothing for the final run: lower "
-                "sweep_epsilons or runs_per_sweep" + (" or selection_epsilon" if noisy else "")
+                "sweep_epsilons or runs_per_sweep" + (" or the selection's epsilon" if noisy else "")
             )
 
     def _draw_r(self) -> float:
@@ -264,12 +275,12 @@ class LinearScalingSearch(PrivateSearch):
             uncharged=(
                 [
                     "the choice of each sweep's best run, exact, on scores train_fn computed on data declared public "
-                    "(selection='public'): private only if that data is"
+                    "(selection=PublicScore()): private only if that data is"
                 ]
-                if self.selection == "public"
+                if isinstance(self.selection, PublicScore)
                 else []
             ),
-            selection=self.selection,
+            selection=self.selection.name,
             selection_epsilon=self.selection_epsilon,
             selection_delta=self.selection_delta,
             training_epsilon=training,
@@ -280,14 +291,15 @@ class LinearScalingSearch(PrivateSearch):
     def select(self, values: Sequence[Any]) -> int:
         """The index of the chosen run among one sweep's, from what each run's ``train_fn`` returned as its score.
 
-        ``"noisy"``: the exponential mechanism (:func:`~lightning_oso.search.selection.exponential_mechanism`) on
-        each run's :func:`~lightning_oso.search.selection.bounded_score`, a monotone utility of sensitivity one
-        record's share, ``selection_epsilon``-DP. ``"public"``: the best score (the scores being public).
+        ``PerRecordNoisyMax``: the exponential mechanism
+        (:func:`~lightning_oso.search.selection.exponential_mechanism`) on each run's
+        :func:`~lightning_oso.search.selection.bounded_score`, a monotone utility of sensitivity one record's share,
+        ``epsilon``-DP. ``PublicScore``: the best score (the scores being public).
 
         Raises:
-            PrivacyConfigurationError: (``"noisy"``) when a score is not one value per record.
+            PrivacyConfigurationError: (``PerRecordNoisyMax``) when a score is not one value per record.
         """
-        if self.selection == "public":
+        if isinstance(self.selection, PublicScore):
             scores = [float(v) for v in values]
             return self.best(range(len(scores)), scores)
         utilities = [bounded_score(v, self.score_bounds, self.mode)[0] for v in values]
@@ -339,8 +351,9 @@ class LinearScalingSearch(PrivateSearch):
         """One run, and the score as ``train_fn`` returned it (for :meth:`select`)."""
         # the callback enforces the runs' share of the budget: the selections' epsilon and delta are set aside
         dp = self.dp_arguments(self.training_epsilon, self.training_delta, plan["noise_multiplier"], ledger)
-        noisy = self.selection == "noisy"
-        # "noisy": the score is read after the run's steps are checked (a run that ignored dp is the first error)
+        noisy = isinstance(self.selection, PerRecordNoisyMax)
+        # PerRecordNoisyMax: the score is read after the run's steps are checked (a run that ignored dp is the first
+        # error)
         outcome = self.train(
             {"eta": plan["eta"], "steps": plan["steps"]}, dp, read_score=(lambda value: math.nan) if noisy else float
         )
@@ -362,19 +375,6 @@ class LinearScalingSearch(PrivateSearch):
             outcome.metrics,
         )
         return trial, outcome.value
-
-
-def _check_score_bounds(score_bounds: tuple[float, float]) -> None:
-    if (
-        len(score_bounds) != 2
-        or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in score_bounds)
-        or not math.isfinite(score_bounds[1] - score_bounds[0])
-        or not score_bounds[0] < score_bounds[1]
-    ):
-        raise PrivacyConfigurationError(
-            f"score_bounds must be (lo, hi) with finite lo < hi, the range of one record's score (accuracy: "
-            f"(0, 1)), got {score_bounds!r}"
-        )
 
 
 def _check_plan(sample_rate: float, r_range: tuple[float, float], sweep_epsilons: tuple[float, float]) -> None:

@@ -1,17 +1,22 @@
-"""The typed options of :class:`~lightning_oso.search.HonestGridSearch`: how its runs are accounted
-(:class:`Composition`, :class:`RandomStopping`) and how its winner is chosen (:class:`BestScore`, :class:`NoisyMax`).
+"""The typed options of the searches: how :class:`~lightning_oso.search.HonestGridSearch`'s runs are accounted
+(:class:`Composition`, :class:`RandomStopping`) and how its winner is chosen (:class:`BestScore`, :class:`NoisyMax`);
+how :class:`~lightning_oso.search.LinearScalingSearch` chooses each sweep's best run (:class:`PerRecordNoisyMax`,
+:class:`PublicScore`).
 
 Each is a small frozen dataclass that checks its own arguments when it is built, in the manner of dp_accounting's
 typed events: ``HonestGridSearch(..., accounting=RandomStopping(0.5), selection=NoisyMax(1.0, 1 / 200))``. They
 hold no logic: the search reads them, and the maths they stand for lives in :mod:`~lightning_oso.search.selection`.
 
 The search's earlier string values (``accounting="random_stopping"`` with ``stop_probability=`` and ``delta_2=``,
-``selection="noisy"`` with ``selection_epsilon=`` and ``score_sensitivity=``) still work: :func:`accounting_option`
-and :func:`selection_option` map them to these options with a ``DeprecationWarning``.
+``selection="noisy"`` with ``selection_epsilon=`` and ``score_sensitivity=``), and the linear scaling search's
+(``selection="noisy"`` or ``"public"``, ``selection_epsilon=``, ``score_bounds=``) still work:
+:func:`accounting_option`, :func:`selection_option` and :func:`linear_selection_option` map them to these options with
+a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,6 +27,8 @@ from lightning_oso.validation import check_choice, check_number
 #: The string values ``accounting`` and ``selection`` took before the typed options (deprecated).
 ACCOUNTINGS = ("composition", "random_stopping")
 SELECTIONS = ("best", "noisy")
+#: The string values of :class:`~lightning_oso.search.LinearScalingSearch`'s ``selection`` (deprecated).
+LINEAR_SELECTIONS = ("noisy", "public")
 
 
 # ------------------------------------------------------------------------------------------------ accounting
@@ -106,6 +113,47 @@ class NoisyMax:
 Selection = BestScore | NoisyMax
 
 
+# ------------------------------------------------------------------------- selection (the linear scaling search)
+@dataclass(frozen=True)
+class PerRecordNoisyMax:
+    """:class:`~lightning_oso.search.LinearScalingSearch`'s private choice of each sweep's best run: ``train_fn``
+    returns one score per training record, each clipped to ``score_bounds`` and the run's scores summed
+    (:func:`~lightning_oso.search.selection.bounded_score`); one record moves every run's sum in the same direction by
+    at most one record's share, so the exponential mechanism picks each sweep's run ``epsilon``-DP, and the search
+    charges ``2 epsilon`` beside its runs (the default).
+
+    Args:
+        epsilon: the epsilon of each sweep's choice.
+        score_bounds: ``(lo, hi)``, the range each record's score is clipped to (accuracy: ``(0, 1)``).
+
+    Raises:
+        PrivacyConfigurationError: for an epsilon that is not a positive finite number, or bounds that are not a
+            finite ``lo < hi``.
+    """
+
+    epsilon: float = 0.05
+    score_bounds: tuple[float, float] = (0.0, 1.0)
+
+    name: ClassVar[str] = "noisy"
+
+    def __post_init__(self) -> None:
+        check_number("epsilon", self.epsilon, positive=True)
+        check_score_bounds(self.score_bounds)
+        object.__setattr__(self, "score_bounds", (float(self.score_bounds[0]), float(self.score_bounds[1])))
+
+
+@dataclass(frozen=True)
+class PublicScore:
+    """:class:`~lightning_oso.search.LinearScalingSearch`'s exact choice of each sweep's best run, on a score that
+    ``train_fn`` computes on data the user declares public (a public held-out split): not charged, and the report
+    says so."""
+
+    name: ClassVar[str] = "public"
+
+
+LinearSelection = PerRecordNoisyMax | PublicScore
+
+
 # ------------------------------------------------------------------------------------- the string values, deprecated
 def accounting_option(value: Any, stop_probability: float | None = None, delta_2: float | None = None) -> Accounting:
     """``accounting`` as a typed option. A string (``"composition"`` or ``"random_stopping"``, with the search's
@@ -156,10 +204,68 @@ def selection_option(
     return value
 
 
-def _deprecated(argument: str, value: str, option: Accounting | Selection) -> None:
+def linear_selection_option(
+    value: Any, selection_epsilon: float | None = None, score_bounds: tuple[float, float] | None = None
+) -> LinearSelection:
+    """The linear scaling search's ``selection`` as a typed option. A string (``"noisy"`` or ``"public"``), or the
+    default option with the search's ``selection_epsilon`` or ``score_bounds``, is mapped to it with a
+    ``DeprecationWarning``."""
+    if isinstance(value, str):
+        check_choice("selection", value, LINEAR_SELECTIONS, "PerRecordNoisyMax(...) or PublicScore()")
+        option: LinearSelection = PublicScore() if value == "public" else _per_record(selection_epsilon, score_bounds)
+        _deprecated("selection", value, option)
+        return option
+    if not isinstance(value, (PerRecordNoisyMax, PublicScore)):
+        raise PrivacyConfigurationError(
+            f"selection must be PerRecordNoisyMax(...) or PublicScore(), got {type(value).__name__}"
+        )
+    if selection_epsilon is None and score_bounds is None:
+        return value
+    if value != PerRecordNoisyMax():
+        given = "selection_epsilon" if selection_epsilon is not None else "score_bounds"
+        raise PrivacyConfigurationError(
+            f"give {given} to the selection option: PerRecordNoisyMax(epsilon=..., score_bounds=...)"
+        )
+    option = _per_record(selection_epsilon, score_bounds)
+    given = "selection_epsilon" if selection_epsilon is not None else "score_bounds"
+    _deprecated(given, selection_epsilon if selection_epsilon is not None else score_bounds, option, "selection")
+    return option
+
+
+def _per_record(selection_epsilon: float | None, score_bounds: tuple[float, float] | None) -> PerRecordNoisyMax:
+    """The noisy option from the search's loose arguments, checked under their own names."""
+    default = PerRecordNoisyMax()
+    epsilon = default.epsilon
+    if selection_epsilon is not None:
+        epsilon = check_number("selection_epsilon", selection_epsilon, positive=True)
+    return PerRecordNoisyMax(epsilon, default.score_bounds if score_bounds is None else score_bounds)
+
+
+def check_score_bounds(score_bounds: Any) -> None:
+    """``score_bounds`` is ``(lo, hi)``, finite numbers with ``lo < hi`` whose difference is finite.
+
+    Raises:
+        PrivacyConfigurationError: otherwise.
+    """
+    if (
+        len(score_bounds) != 2
+        or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in score_bounds)
+        or not math.isfinite(score_bounds[1] - score_bounds[0])
+        or not score_bounds[0] < score_bounds[1]
+    ):
+        raise PrivacyConfigurationError(
+            f"score_bounds must be (lo, hi) with finite lo < hi, the range of one record's score (accuracy: "
+            f"(0, 1)), got {score_bounds!r}"
+        )
+
+
+def _deprecated(
+    argument: str, value: Any, option: Accounting | Selection | LinearSelection, replacement: str | None = None
+) -> None:
+    replacement = replacement or argument
     warnings.warn(
-        f"{argument}={value!r} is deprecated: pass {argument}={option!r} "
+        f"{argument}={value!r} is deprecated: pass {replacement}={option!r} "
         f"(lightning_oso.search.{type(option).__name__})",
         DeprecationWarning,
-        stacklevel=4,  # the caller of HonestGridSearch(...)
+        stacklevel=4,  # the caller of HonestGridSearch(...) or LinearScalingSearch(...)
     )

@@ -144,7 +144,7 @@ class LinearScalingResult:
             f"{self.training_delta:.6g}",
         ]
         if public:
-            lines.append("  selection: the best score of each sweep, on data declared public (selection='public')")
+            lines.append("  selection: the best score of each sweep, on data declared public (selection=PublicScore())")
         else:
             lines.append(
                 f"  selection: exponential mechanism on clipped per-record scores, epsilon "

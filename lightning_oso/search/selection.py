@@ -153,7 +153,7 @@ def bounded_score(values: Any, bounds: tuple[float, float], mode: str = "max") -
         raise PrivacyConfigurationError(
             f"the score must hold one value per training record (a 1-D tensor), got {tensor.dim()} dimensions: "
             "return e.g. (model(x).argmax(1) == y).float() over the training set, so that the search can bound "
-            "one record's influence on it (or use selection='public' with a score computed on public data)"
+            "one record's influence on it (or use selection=PublicScore() with a score computed on public data)"
         )
     x = tensor.detach().to("cpu", torch.float64)
     worst = lo if mode == "max" else hi

@@ -2,8 +2,9 @@
 Lightning's DDP.
 
 Both are :class:`PrivateTraining` (``private_training``), the private step's wiring into a ``Strategy``, which knows
-one thing of several processes: their sums are added up (``sum_across_processes``) before the division by ``B``, and
-only rank 0 adds noise. On one device both are trivial; ``ddp`` puts the same mechanics on Lightning's DDP.
+one thing of several processes, through the ``ProcessRelease`` it owns (``release``): their sums are added up
+(``sum_across_processes``) before the division by ``B``, and the noise is one draw for the whole world. On one
+device both are trivial; ``ddp`` puts the same mechanics on Lightning's DDP.
 
 What the private step needs of the run comes from a DP callback such as :class:`~lightning_oso.OSODP`, in one
 :class:`PrivacyPlan` (``plan``) handed through ``PrivateTraining.configure_privacy``; the callback also does the

@@ -43,17 +43,10 @@ from lightning_oso.clipping import ClippingRule
 from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.errors import PrivacyConfigurationError, PrivateStepRefused
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, GradientHooks, loss_scale, norm_bounds
-from lightning_oso.randomness import DIRECTION, NOISE, Generator, RunRandomness, SecureRandom
-from lightning_oso.step import (
-    AddNoise,
-    ClippedSums,
-    ReleaseWiring,
-    SanitisedStep,
-    add_gaussian_noise,
-    clip_and_sum,
-    release,
-)
+from lightning_oso.randomness import RunRandomness
+from lightning_oso.step import ClippedSums, SanitisedStep, clip_and_sum, release
 from lightning_oso.strategies.plan import PrivacyPlan
+from lightning_oso.strategies.release import ProcessRelease
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -86,7 +79,6 @@ class PrivateTraining(_StrategyBase):
         self.sample_rate: float | None = None
         self._hooks: GradientHooks | None = None
         self._batch_size: int | None = None
-        self._noise_stream: tuple[int, Generator] | None = None  # (step, generator) of the step being privatised
         self._training_data: tuple[Any, Any] | None = None  # (dataset, collate_fn): the structure for the checks
         #: micro-batches per optimizer step (the trainer's accumulate_grad_batches), set with the training loader
         self.accumulation = 1
@@ -96,24 +88,8 @@ class PrivateTraining(_StrategyBase):
         #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless the
         #: plan's collect_diagnostics
         self.diagnostics: dict[str, Tensor] = {}
-
-    @property
-    def adds_noise(self) -> bool:
-        """Whether this process draws the noise: rank 0 only, so each Gaussian is added once globally."""
-        return self.global_rank == 0
-
-    def sum_across_processes(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Each tensor replaced, in place, by its sum over all processes (nothing on one process), one all-reduce per
-        dtype; returns ``tensors``."""
-        if self.world_size == 1:
-            return tensors
-        for dtype in {t.dtype for t in tensors}:
-            group = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in group])
-            torch.distributed.all_reduce(flat)
-            for t, chunk in zip(group, flat.split([t.numel() for t in group])):
-                t.copy_(chunk.view_as(t))
-        return tensors
+        #: the noise and the sum across processes of each release (``release.ProcessRelease``)
+        self.process_release = ProcessRelease(self)
 
     # ------------------------------------------------------------------ the plan, from the callback
     def configure_privacy(self, plan: PrivacyPlan) -> None:
@@ -359,12 +335,7 @@ class PrivateTraining(_StrategyBase):
         if plan.collect_diagnostics:
             self._observe_norms(torch.cat(clipped.norms))
         with norm_bounds.exact_float32_products(self.root_device):  # sums and noise in float32 or better
-            wiring = ReleaseWiring(
-                add_noise=self.add_noise,
-                sum_across_processes=self.sum_across_processes,
-                record_step=self._record_step if plan.ledger is not None else None,
-                materialise_noise=self._materialise_noise(self.executed_steps),
-            )
+            wiring = self.process_release.wiring(self._record_step if plan.ledger is not None else None)
             released = release(clipped, self.rule, self.expected_batch_size, wiring)
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here
@@ -379,49 +350,6 @@ class PrivateTraining(_StrategyBase):
         if rule is None or ledger is None or self.sample_rate is None:
             raise RuntimeError("a step is released before the plan holds its rule and ledger and the loader its rate")
         ledger.record_step(rule.noise_multiplier, self.sample_rate)
-
-    def add_noise(self, sums: list[Tensor], stds: Tensor) -> list[Tensor]:
-        """The exact release of the summed queries (``step.add_gaussian_noise``), the same on every process: from this
-        step's keyed noise stream, which every process derives alike."""
-        return self._same_on_every_process(sums, stds, self._noise_generator())
-
-    def _same_on_every_process(self, sums: list[Tensor], stds: Tensor, generator: Generator) -> list[Tensor]:
-        """The release of ``sums`` (identical on every process) with noise from ``generator``: a keyed stream draws
-        the same integers on every process; the operating system's generator (which cannot be keyed) draws on rank 0,
-        whose released values are summed with the other processes' zeros (an exact float64 sum)."""
-        if self.world_size == 1 or not isinstance(generator, SecureRandom):
-            return add_gaussian_noise(sums, stds, generator)
-        released = (
-            add_gaussian_noise(sums, stds, generator)
-            if self.adds_noise
-            else [torch.zeros(s.shape, dtype=torch.float64, device=s.device) for s in sums]
-        )
-        return self.sum_across_processes(released)
-
-    def _materialise_noise(self, step: int) -> AddNoise:
-        """The noise that materialises a deferred query of step ``step`` (``step.DeferredQuery``), the same draw on
-        every process (each continues from the materialised vector): from the ``DIRECTION`` stream of rank 0 on every
-        process, or rank 0's secure draw (then every process must materialise at once, as Lightning's checkpointing
-        does)."""
-
-        def add_noise(sums: list[Tensor], stds: Tensor) -> list[Tensor]:
-            if self.randomness is None:
-                raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
-            generator = self.randomness.generator(DIRECTION, step, rank=0, device=self.root_device)
-            return self._same_on_every_process(sums, stds, generator)
-
-        return add_noise
-
-    def _noise_generator(self) -> Generator:
-        """This step's noise stream, keyed on the ledger's executed-step counter (never reused across steps,
-        resumes or crashes: see ``randomness``) and on rank 0 on every process: the noise is one draw for the whole
-        world, added after the sum across processes. Scalar queries draw from it after the vector ones."""
-        if self._noise_stream is None or self._noise_stream[0] != self.executed_steps:
-            if self.randomness is None:
-                raise RuntimeError("the noise needs the run's random streams, which the DP callback sets")
-            generator = self.randomness.generator(NOISE, self.executed_steps, rank=0, device=self.root_device)
-            self._noise_stream = (self.executed_steps, generator)
-        return self._noise_stream[1]
 
     def _observe_norms(self, norms: Tensor) -> None:
         if self.rule is not None:
