@@ -75,7 +75,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from calibration import calibration_times
+from compare_methods import paper_mnist_cnn
 
 from lightning_oso import OSODP, FixedThresholdDP, exact_noise, per_sample
 from lightning_oso.randomness import NOISE, RunRandomness, words_of
@@ -206,24 +208,13 @@ class LSTMLanguageModel(nn.Module):
 
 class PaperMNISTCNN(nn.Module):
     """The OSO paper's MNIST CNN (its Table 5, without the ReLU on the logits, as ``examples/mnist_full.py`` trains
-    it): Conv 16x8x8 (padding 3) - ReLU - MaxPool 2x2 stride 1 - Conv 32x4x4 - ReLU - Linear 32 - ReLU - Linear 10,
-    551,322 parameters, on 28x28 images."""
+    it; ``examples/compare_methods.paper_mnist_cnn``): 551,322 parameters, on 28x28 images."""
 
     input_shape, classes = (1, 28, 28), 10
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 8, stride=1, padding=3),
-            nn.ReLU(),
-            nn.MaxPool2d(2, 1),
-            nn.Conv2d(16, 32, 4, stride=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(32 * 23 * 23, 32),
-            nn.ReLU(),
-            nn.Linear(32, 10),
-        )
+        self.net = paper_mnist_cnn(final_relu=False)
 
     def forward(self, x):
         return self.net(x)
