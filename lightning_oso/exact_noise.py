@@ -302,15 +302,18 @@ _CHUNK = 2**18
 _OVERDRAW = 1.04
 
 
-def _draw(count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int) -> Tensor:
-    """``count`` draws of :func:`discrete_gaussian` from one ``table``.
+def _draw(
+    count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int, add_to: Tensor | None = None
+) -> Tensor:
+    """``count`` draws of :func:`discrete_gaussian` from one ``table``; added chunk by chunk to ``add_to`` (a flat
+    tensor of ``count`` elements, returned) where given, which spares a model-sized integer tensor and its conversion.
 
     One word per proposal: its top ``bucket_bits`` bits pick the block, its low bits the position in a narrow block,
     and the bits between are the top of the acceptance trial's uniform 62-bit number, enough to decide most trials
     against the table's ``sure`` / ``never``. A trial left open (about 3%) gets the rest of its uniform number from
     a fresh word, whose top bits also extend the position in a wide block: every bit is read once."""
     device = table.start.device
-    out = torch.empty(count, dtype=torch.int64, device=device)
+    out = torch.empty(count, dtype=torch.int64, device=device) if add_to is None else add_to
     narrow_bits = layout[0][1]
     verdict_bits = WORD_BITS - bucket_bits - narrow_bits
     low_bits = WORD_BITS - verdict_bits  # the bits of the verdict a fresh word supplies
@@ -338,7 +341,10 @@ def _draw(count: int, table: ProposalTable, words: Words, layout: Layout, bucket
                 kept[rare] = bernoulli(p[rare], words)
             keep[late] = kept
         kept_values = torch.masked_select(value, keep)[:wanted]
-        out[done : done + kept_values.numel()] = kept_values
+        if add_to is None:
+            out[done : done + kept_values.numel()] = kept_values
+        else:  # the chunk is still in cache; int64 below 2^37 converts exactly to float64
+            out[done : done + kept_values.numel()].add_(kept_values)
         done += kept_values.numel()
     return out
 
@@ -361,8 +367,12 @@ def grid_index(values: Tensor, exponent: Tensor) -> Tensor:
     """``round(values / 2^exponent)``, clamped to ``+-MAX_GRID_INDEX``, as float64 holding exact integers. The
     scaling by a power of two is exact in float64, the rounding (half to even) a fixed function: so the index moves by
     at most ``|difference| / gamma + 1`` per coordinate between any two inputs, whatever their low-order bits."""
-    scaled = values.to(torch.float64) * power_of_two(-exponent, values.device)
-    return scaled.round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
+    return _to_grid_index_(values.to(torch.float64, copy=True), exponent)
+
+
+def _to_grid_index_(values: Tensor, exponent: Tensor) -> Tensor:
+    """:func:`grid_index` in place on float64 ``values``."""
+    return values.mul_(power_of_two(-exponent, values.device)).round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
 
 
 def on_grid(values: Tensor, exponent: Tensor) -> Tensor:
@@ -395,12 +405,28 @@ def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
     """``gamma * (round(values / gamma) + Z)``, ``Z ~ N_Z(0, (std / gamma)^2)`` per element, as float64 (exact: both
     factors are exact, ``gamma`` a power of two). ``std`` is already :func:`grid_noise_std`'s: a 0-dim tensor, or
     one per row (broadcastable to ``values``), each with its own grid."""
+    return release_on_grid_(values.to(torch.float64, copy=True), std, words)
+
+
+def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
+    """:func:`release_on_grid` in place on ``values``, a float64 tensor the caller owns (the release's own copy of
+    the sums: no model-sized temporary beyond the noise's)."""
     exponent = grid_exponent(std)
-    index = grid_index(values, exponent)
+    index = _to_grid_index_(values, exponent)
     scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
     with record_function("lightning_oso.noise"):
-        noise = discrete_gaussian(index.shape, scale, words)
-    return index.add_(noise).mul_(power_of_two(exponent, index.device))  # int64 noise below 2^37: exact in float64
+        if scale.numel() == 1 and index.is_contiguous():  # one grid: the integers added as they are drawn
+            _draw(
+                index.numel(),
+                proposal_table(scale.reshape(()), RELEASE_LAYOUT, BUCKET_BITS),
+                words,
+                RELEASE_LAYOUT,
+                BUCKET_BITS,
+                add_to=index.view(-1),
+            )
+        else:
+            index.add_(discrete_gaussian(index.shape, scale, words))
+    return index.mul_(power_of_two(exponent, index.device))  # |index + noise| < 2^52 + 2^36: exact in float64
 
 
 def floating_point_epsilon(coordinates_per_step: int, steps: int) -> float:

@@ -120,7 +120,7 @@ class DeferredQuery:
         expected_batch_size: float,
         materialise_noise: AddNoise,
     ) -> None:
-        self._sums = sums  # the raw S per parameter, [1, *shape], float64: un-noised, never returned
+        self._sums = sums  # the raw S per parameter, [1, *shape], float32 or wider: un-noised, never returned
         self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
         self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
         self._vector_std = vector_std  # the std of each coordinate of a materialised q~
@@ -249,10 +249,13 @@ def total_over_processes(clipped: ClippedSums, sum_across_processes: Reduce | No
     """Stage 4: the clipped sums of all processes added up, in float64, before any noise, so that the grid and the
     noise apply to the total (noise added before a sum across processes would be followed by a float addition of raw
     values: the lattice the grid removes). ``sum_across_processes`` adds up in place; ``None`` on one process."""
+    if sum_across_processes is None:
+        # one process: nothing to add up, and the release's own float64 copy (add_gaussian_noise) converts exactly
+        # (float32 and bfloat16 values are float64 values): no model-sized copy here
+        return Totals(list(clipped.sums), clipped.scalars)
     scalars = None if clipped.scalars is None else clipped.scalars.to(torch.float64)
     totals = Totals([s.to(torch.float64) for s in clipped.sums], scalars)
-    if sum_across_processes is not None:
-        sum_across_processes(totals.tensors())
+    sum_across_processes(totals.tensors())
     return totals
 
 
@@ -424,8 +427,10 @@ def add_gaussian_noise(sums: Sequence[Tensor], stds: Tensor, generator: Generato
     if not sums:
         return []
     rows = sums[0].shape[0]
-    flat = torch.cat([s.reshape(rows, -1).to(torch.float64) for s in sums], dim=1)
-    noisy = exact_noise.release_on_grid(flat, stds.to(flat.device).reshape(rows, 1), words_of(generator))
+    # one float64 copy of all the rows, converted on the way (exact from any narrower float), released in place
+    flat = torch.empty(rows, sum(s[0].numel() for s in sums), dtype=torch.float64, device=sums[0].device)
+    torch.cat([s.reshape(rows, -1) for s in sums], dim=1, out=flat)
+    noisy = exact_noise.release_on_grid_(flat, stds.to(flat.device).reshape(rows, 1), words_of(generator))
     return [part.reshape(s.shape) for part, s in zip(noisy.split([s[0].numel() for s in sums], dim=1), sums)]
 
 

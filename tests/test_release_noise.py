@@ -227,3 +227,29 @@ def test_pur_full_batch_sums_are_released_with_noise_of_n_sigma_t_at_each_step()
         total = torch.cat([g.flatten() for g in released.gradients]) * n
         _check_vector_release(total, noiseless, n * schedule(t), schedule(t) * n / (2 * lipschitz), _flat(samples))
         rule.update(released)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_release_adds_the_integers_it_draws_to_the_grid_index_exactly(dtype, rows):
+    """``add_gaussian_noise`` converts the sums to float64 while it copies them and adds each chunk of integers as it
+    is drawn (no model-sized integer tensor): the release is exactly ``gamma (round(S / gamma) + Z)`` with ``Z`` the
+    same stream's ``discrete_gaussian`` draw, whatever the sums' dtype, over several chunks, one row per query; and
+    the caller's sums are left untouched."""
+    from lightning_oso import exact_noise
+
+    g = torch.Generator().manual_seed(3)
+    sums = [(torch.randn(rows, 300_000, generator=g) * 1e3).to(dtype), (torch.randn(rows, 7, generator=g)).to(dtype)]
+    before = [s.clone() for s in sums]
+    stds = torch.full((rows,), 5.0, dtype=torch.float64)  # one row: the fused path; two: one draw per scale
+    released = step.add_gaussian_noise(sums, stds, torch.Generator().manual_seed(9))
+    assert all(torch.equal(s, b) for s, b in zip(sums, before))
+    flat = torch.cat([s.reshape(rows, -1).double() for s in sums], dim=1)
+    exponent = exact_noise.grid_exponent(stds[0])
+    gamma = exact_noise.power_of_two(exponent, flat.device)
+    scale = stds[0] / gamma
+    noise = exact_noise.discrete_gaussian(flat.shape, scale, step.words_of(torch.Generator().manual_seed(9)))
+    expected = (exact_noise.grid_index(flat, exponent) + noise.double()) * gamma
+    got = torch.cat([r.reshape(rows, -1) for r in released], dim=1)
+    assert got.dtype == torch.float64 and torch.equal(got, expected)
+    assert noise.abs().max() > 0 and noise.float().std() > 0.9 * scale.item()

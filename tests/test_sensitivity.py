@@ -26,6 +26,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import lightning.pytorch as L
 import pytest
@@ -510,3 +511,40 @@ def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(
     assert torch.isfinite(with_record).all()
     moves = (with_record - without).norm(dim=1)
     assert moves[0] <= CLIP * (1 + 1e-3) and moves[1] <= 1 + 1e-3, moves.tolist()
+
+
+# ------------------------------------------------------------------------------ squared norms taken in chunks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 37, 64, 10**9])
+def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk):
+    """``sq_norm_upper`` takes a large batch a few samples at a time (``NORM_CHUNK``, for speed): wherever the chunk
+    boundaries fall, every record's bound is at least its exact squared norm and within a hair of it, a record with
+    a NaN or inf gets a non-finite bound and only it, and no chunk mixes one record's values into another's."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    monkeypatch.setattr(nb, "NORM_CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    finfo = torch.finfo(dtype)
+    x = torch.randn(23, 3, 7, generator=g, dtype=torch.float64)
+    x[2] *= min(finfo.max / 8, 1e150)  # huge: the squares overflow the compute dtype unscaled (float64: still finite)
+    x[5] *= finfo.tiny * 2**-3  # subnormal
+    x[7] = 0.0
+    x[11, 1, 2] = float("nan")
+    x[13, 0, 0] = float("inf")
+    x[17, 2, 6] = -float("inf")
+    x = x.to(dtype)
+    bound = nb.sq_norm_upper(x)
+    nonfinite = {11, 13, 17}
+    assert bound.dtype == torch.float64 and bound.shape == (23,)
+    for i in range(23):
+        if i in nonfinite:
+            assert not math.isfinite(bound[i].item()), i  # weight 0 in clip_and_sum
+            continue
+        exact = sum(Fraction(v) ** 2 for v in x[i].double().reshape(-1).tolist())  # exact rational arithmetic
+        # a float64 record of subnormal entries has a squared norm below float64's range: its bound may be 0 there,
+        # which sizes its weight as min(1, C / 0) = 1, its exact weight for any C above 1e-150
+        representable = exact >= Fraction(torch.finfo(torch.float64).tiny)
+        assert Fraction(bound[i].item()) >= exact or not representable, i
+        assert Fraction(bound[i].item()) <= exact * Fraction(10001, 10000) + Fraction(1e-300), i
+        alone = nb.sq_norm_upper(x[i : i + 1])[0].item()  # the same record bounded on its own
+        assert bound[i].item() == pytest.approx(alone, rel=1e-5, abs=1e-300), i
