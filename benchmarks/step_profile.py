@@ -66,7 +66,7 @@ class _Profile(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step += 1
         if self.step == WARMUP + 1:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self.profiler.__enter__()
 
     def on_train_end(self, trainer, pl_module):
