@@ -258,6 +258,7 @@ def discrete_gaussian(
     words: Words,
     layout: Layout = RELEASE_LAYOUT,
     bucket_bits: int = BUCKET_BITS,
+    add_to: Tensor | None = None,
 ) -> Tensor:
     """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64.
 
@@ -278,9 +279,19 @@ def discrete_gaussian(
         layout: ``((end_bits, width_bits), ...)``: blocks of ``2^width_bits`` integers up to ``2^end_bits``, then the
             next run; widths non-decreasing (a smaller scale needs a smaller layout: the tests use one).
         bucket_bits: how many top bits of a word pick the block.
+        add_to: a contiguous tensor of ``shape`` (float64: exact, the draws being below ``2^36``) to which the draws
+            are added in place, chunk by chunk as they are made, and which is returned: no tensor of draws is made
+            (one scale only; the release's grid index).
     """
     count = math.prod(shape)
     scale = scale.to(torch.float64)
+    if add_to is not None:
+        if scale.numel() != 1 or tuple(add_to.shape) != tuple(shape) or not add_to.is_contiguous():
+            raise ValueError("discrete_gaussian(add_to=...) takes one scale and a contiguous tensor of the shape drawn")
+        _draw(
+            count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1)
+        )
+        return add_to
     if scale.numel() == 1:
         return _draw(count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(
             shape
@@ -416,14 +427,7 @@ def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
     scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
     with record_function("lightning_oso.noise"):
         if scale.numel() == 1 and index.is_contiguous():  # one grid: the integers added as they are drawn
-            _draw(
-                index.numel(),
-                proposal_table(scale.reshape(()), RELEASE_LAYOUT, BUCKET_BITS),
-                words,
-                RELEASE_LAYOUT,
-                BUCKET_BITS,
-                add_to=index.view(-1),
-            )
+            discrete_gaussian(index.shape, scale.reshape(()), words, add_to=index)
         else:
             index.add_(discrete_gaussian(index.shape, scale, words))
     return index.mul_(power_of_two(exponent, index.device))  # |index + noise| < 2^52 + 2^36: exact in float64

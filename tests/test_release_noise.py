@@ -253,3 +253,21 @@ def test_the_release_adds_the_integers_it_draws_to_the_grid_index_exactly(dtype,
     got = torch.cat([r.reshape(rows, -1) for r in released], dim=1)
     assert got.dtype == torch.float64 and torch.equal(got, expected)
     assert noise.abs().max() > 0 and noise.float().std() > 0.9 * scale.item()
+
+
+def test_adding_draws_in_place_refuses_what_it_cannot_add_to():
+    """``discrete_gaussian(add_to=...)`` adds chunk by chunk into a flat view: it refuses several scales, another
+    shape and a non-contiguous tensor, rather than add to the wrong elements."""
+    from lightning_oso import exact_noise
+
+    words = step.words_of(torch.Generator().manual_seed(0))
+    scale = torch.tensor(2.0**30, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one scale and a contiguous tensor"):
+        exact_noise.discrete_gaussian((2, 3), torch.full((2, 1), 2.0**30), words, add_to=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="one scale and a contiguous tensor"):
+        exact_noise.discrete_gaussian((2, 3), scale, words, add_to=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="one scale and a contiguous tensor"):
+        exact_noise.discrete_gaussian((2, 3), scale, words, add_to=torch.zeros(3, 2, dtype=torch.float64).t())
+    into = torch.full((2, 3), 0.5, dtype=torch.float64)
+    assert exact_noise.discrete_gaussian((2, 3), scale, words, add_to=into) is into
+    assert torch.equal((into - 0.5).round(), into - 0.5) and (into - 0.5).abs().min() > 0  # integers added
