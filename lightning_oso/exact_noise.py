@@ -38,7 +38,6 @@ CSPRNG (``randomness.SecureRandom.words``). The sampler never sees data: it is c
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -289,40 +288,22 @@ def discrete_gaussian(
     if add_to is not None:
         if scale.numel() != 1 or tuple(add_to.shape) != tuple(shape) or not add_to.is_contiguous():
             raise ValueError("discrete_gaussian(add_to=...) takes one scale and a contiguous tensor of the shape drawn")
-        _draw(count, _table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1))
+        _draw(
+            count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1)
+        )
         return add_to
     if scale.numel() == 1:
-        return _draw(count, _table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(shape)
+        return _draw(count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(
+            shape
+        )
     # several scales (one per row of a release): one table each, in the order of their first appearance
     scales = scale.expand(shape).reshape(-1)
     values, which = torch.unique(scales, return_inverse=True)  # settings (noise levels), never data
     out = torch.empty(count, dtype=torch.int64, device=scale.device)
     for k in range(values.numel()):
         index = (which == k).nonzero().squeeze(1)
-        out[index] = _draw(index.numel(), _table(values[k], layout, bucket_bits), words, layout, bucket_bits)
+        out[index] = _draw(index.numel(), proposal_table(values[k], layout, bucket_bits), words, layout, bucket_bits)
     return out.reshape(shape)
-
-
-#: The CPU's recent proposal tables, by scale: a rule whose noise level is fixed (fixed clipping's gradient row, OSO's
-#: direction query) builds its table once per run instead of once per step. Keyed on the scale's value, which on an
-#: accelerator would need a host read; there the table is rebuilt on the device every step.
-_TABLES: OrderedDict[tuple[float, Layout, int], ProposalTable] = OrderedDict()
-_TABLES_KEPT = 4
-
-
-def _table(scale: Tensor, layout: Layout, bucket_bits: int) -> ProposalTable:
-    """:func:`proposal_table`, from the cache on the CPU."""
-    if scale.device.type != "cpu":
-        return proposal_table(scale, layout, bucket_bits)
-    key = (float(scale), layout, bucket_bits)
-    table = _TABLES.get(key)
-    if table is None:
-        table = _TABLES[key] = proposal_table(scale, layout, bucket_bits)
-        while len(_TABLES) > _TABLES_KEPT:
-            _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
-    return table
 
 
 #: Draws per chunk of :func:`discrete_gaussian`: a chunk's temporaries (a dozen int64 and float64 vectors of 512 KB)

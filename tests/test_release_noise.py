@@ -271,18 +271,3 @@ def test_adding_draws_in_place_refuses_what_it_cannot_add_to():
     into = torch.full((2, 3), 0.5, dtype=torch.float64)
     assert exact_noise.discrete_gaussian((2, 3), scale, words, add_to=into) is into
     assert torch.equal((into - 0.5).round(), into - 0.5) and (into - 0.5).abs().min() > 0  # integers added
-
-
-def test_the_cpu_table_cache_gives_each_scale_its_own_table():
-    """The CPU keeps the proposal tables of its last few noise levels: a cached table is the one its scale builds,
-    never another scale's, and the cache stays small."""
-    from lightning_oso import exact_noise
-
-    scales = [torch.tensor(2.0**30 * (1 + k / 7), dtype=torch.float64) for k in range(7)]
-    for _ in range(2):
-        for s in scales:
-            cached = exact_noise._table(s, exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS)
-            fresh = exact_noise.proposal_table(s)
-            for field in ("start", "sure", "never", "block", "factor", "anchor", "mask"):
-                assert torch.equal(getattr(cached, field), getattr(fresh, field)), field
-    assert len(exact_noise._TABLES) <= exact_noise._TABLES_KEPT
