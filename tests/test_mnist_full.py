@@ -107,3 +107,32 @@ def test_cuda_without_a_gpu_is_refused_before_any_data(monkeypatch, capsys, tmp_
     assert not list(tmp_path.iterdir())  # nothing written
     # listing a plan needs no device
     assert mnist_full.main(["--list", "--accelerator", "cuda", "--runs-dir", str(tmp_path)]) == []
+
+
+def test_stop_after_starts_no_run_once_the_time_is_up(tmp_path, capsys):
+    """``--stop-after 0``: the plan is listed and nothing is trained (no run file, no checkpoint); a negative time is
+    refused with the option's name."""
+    path, digest = _mnist_pickle(tmp_path, _splits())
+    args = ["--plan", "table11", "--epsilons", "3", "--seeds", "0", "--steps", "3", "--train-size", "640"]
+    args += ["--runs-dir", str(tmp_path / "runs"), "--work-dir", str(tmp_path / "work")]
+    args += ["--mnist-path", str(path), "--mnist-sha256", digest]
+    for jobs in ("1", "2"):
+        assert mnist_full.main([*args, "--jobs", jobs, "--stop-after", "0"]) == []
+        assert "--stop-after 0: 4 runs left for a later sitting" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()
+    with pytest.raises(SystemExit):
+        mnist_full.main([*args, "--stop-after", "-1"])
+    assert "--stop-after must be a number of seconds, 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_jobs_train_side_by_side(tmp_path):
+    """``--jobs 2``: two worker processes, each run's file written once, the results in the order they finish."""
+    path, digest = _mnist_pickle(tmp_path, _splits())
+    args = ["--plan", "online-grid", "--epsilons", "3", "--seeds", "0", "--steps", "2", "--train-size", "640"]
+    args += ["--batch-size", "48", "--runs-dir", str(tmp_path / "runs"), "--work-dir", str(tmp_path / "work")]
+    args += ["--mnist-path", str(path), "--mnist-sha256", digest, "--jobs", "2", "--max-runs", "3"]
+    results = mnist_full.main([*args, "--stop-after", "1e6"])
+    assert len(results) == 3 and len({r["name"] for r in results}) == 3
+    assert sorted(p.stem for p in (tmp_path / "runs").glob("*.json")) == sorted(r["name"] for r in results)
+    assert all(r["steps"] == 2 and r["accelerator"] == "cpu" for r in results)
