@@ -439,7 +439,12 @@ def parse_args(argv):
         metavar="SECONDS",
         help="start no run once this many seconds have passed (the runs in flight finish)",
     )
-    parser.add_argument("--match", nargs="+", default=None, help="only runs whose name contains one of these")
+    parser.add_argument(
+        "--match",
+        nargs="+",
+        default=None,
+        help="only runs whose name contains one of these, trained in the order of the first each matches",
+    )
     parser.add_argument("--list", action="store_true", help="list the plan's runs and which are done; train nothing")
     args = parser.parse_args(argv)
     for name in ("jobs", "steps", "train_size", "batch_size"):
@@ -463,7 +468,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for run in plan_runs(plan, args.epsilons, args.seeds, args.runs_dir, **settings, batch_size=args.batch_size):
             runs.setdefault(run)
     if args.match:
-        runs = {run: None for run in runs if any(part in run.name for part in args.match)}
+        first_match = {run: next((i for i, part in enumerate(args.match) if part in run.name), None) for run in runs}
+        runs = {run: None for run in sorted((r for r in runs if first_match[r] is not None), key=first_match.get)}
     todo = [run for run in runs if read_run(run, args.runs_dir) is None]
     print(f"{len(runs)} runs in the plan, {len(runs) - len(todo)} finished, {len(todo)} to train")
     if args.list:

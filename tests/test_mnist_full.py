@@ -78,9 +78,12 @@ def test_runner_keeps_each_run_and_the_report_reads_them(tmp_path):
     second = mnist_full.main(["--plan", "table11", "online-grid", "--max-runs", "1", *common])
     quantile = mnist_full.spec("FixedQuantile", 3.0, 0, **tiny, **mnist_full.table11_cell("FixedQuantile", 3.0))
     assert [r["name"] for r in second] == [quantile.name]
-    nodp = mnist_full.main(["--plan", "nonprivate-sweep", "--match", "lr3.162_", *common])
-    assert [r["name"] for r in nodp] == [mnist_full.spec("NoDP", None, 0, **tiny, lr=10**0.5).name]
-    assert nodp[0]["noise_multiplier"] is None and nodp[0]["epsilon_spent"] is None
+    nodp = mnist_full.main(["--plan", "nonprivate-sweep", "--match", "lr0.03162_", "lr3.162_", *common])
+    # in the order of the patterns, not the plan's (which has 10^0.5 before 10^-1.5)
+    assert [r["name"] for r in nodp] == [
+        mnist_full.spec("NoDP", None, 0, **tiny, lr=lr).name for lr in (10**-1.5, 10**0.5)
+    ]
+    assert all(r["noise_multiplier"] is None and r["epsilon_spent"] is None for r in nodp)
     assert not list((tmp_path / "work").rglob("*.ckpt"))  # checkpoints only live while a run is unfinished
 
     full, grid = mnist_report.main(
