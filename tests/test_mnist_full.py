@@ -139,3 +139,16 @@ def test_two_jobs_train_side_by_side(tmp_path):
     assert len(results) == 3 and len({r["name"] for r in results}) == 3
     assert sorted(p.stem for p in (tmp_path / "runs").glob("*.json")) == sorted(r["name"] for r in results)
     assert all(r["steps"] == 2 and r["accelerator"] == "cpu" for r in results)
+
+
+@pytest.mark.slow
+def test_workers_started_as_fresh_interpreters_train(tmp_path):
+    """The GPU's workers are spawned, not forked (a CUDA context does not survive a fork): a spawned worker gets the
+    run and everything it needs by pickling, and finds the examples' modules."""
+    path, digest = _mnist_pickle(tmp_path, _splits())
+    tiny = {"steps": 2, "train_size": 640, "batch_size": 48}
+    runs = [mnist_full.spec("Online", 3.0, seed, **tiny, lr=10**0.5) for seed in (0, 1)]
+    job = (tmp_path / "runs", tmp_path / "work", str(path), digest, ["(test)"], "cpu")
+    results = mnist_full._train(runs, job, 2, "spawn", None)
+    assert sorted(r["name"] for r in results) == sorted(run.name for run in runs)
+    assert all((tmp_path / "runs" / f"{run.name}.json").exists() for run in runs)
