@@ -517,16 +517,19 @@ def _train(
             finished(train_run(run, *job))
         return results
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(start_method)) as pool:
-        running = set()
-        for _ in range(jobs):
+        running: set = set()
+
+        def hand_out() -> None:  # the next run to a free worker, if there is one and time is left
             if (run := next_run()) is not None:
                 running.add(pool.submit(train_run, run, *job))
+
+        for _ in range(jobs):
+            hand_out()
         while running:
             done, running = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
                 finished(future.result())
-                if (run := next_run()) is not None:
-                    running.add(pool.submit(train_run, run, *job))
+                hand_out()
     return results
 
 

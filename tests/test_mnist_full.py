@@ -130,7 +130,7 @@ def test_stop_after_starts_no_run_once_the_time_is_up(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_jobs_train_side_by_side(tmp_path):
-    """``--jobs 2``: two worker processes, each run's file written once, the results in the order they finish."""
+    """``--jobs 2``: two worker processes train the runs, each run's file written once."""
     path, digest = _mnist_pickle(tmp_path, _splits())
     args = ["--plan", "online-grid", "--epsilons", "3", "--seeds", "0", "--steps", "2", "--train-size", "640"]
     args += ["--batch-size", "48", "--runs-dir", str(tmp_path / "runs"), "--work-dir", str(tmp_path / "work")]
