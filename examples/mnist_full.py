@@ -28,6 +28,9 @@ Plans:
   FixedQuantile 25 (lr x gamma)).
 - ``selected``: ``--seeds`` seeds of the cell each method's grid selected (its best test accuracy at seed 0, the
   paper's selection), once ``method-grids`` has run.
+- ``noise-swap``: where Online's lead comes from, once ``online-grid`` has run: Online's selected cell with the noise
+  of FixedThreshold's 25-cell grid, and FixedThreshold at the point Online's ``C_t`` and ``rho_t`` stay near with
+  the noise of Online's 5-cell grid (counterfactuals: each carries the other method's grid noise).
 - ``nonprivate-sweep``: plain SGD (no clipping, no noise) over the paper's k = 5 learning rates, one decade beyond
   each end of its range (10^-3.5 .. 10^2.5), and 512 x 10^-2.5 (the paper's best non-private rate, 10^-2.5, if it
   multiplies a summed gradient): where the library's learning-rate convention puts the best ``rho``.
@@ -84,7 +87,7 @@ QUANTILE_CLIP_LR = 0.2
 #: best non-private rate (10^-2.5) times the batch size, its value if the paper's rate multiplies a summed gradient.
 #: Ordered by what they tell: the middle of the range first.
 NONPRIVATE_LRS = (10**-0.5, 512 * 10**-2.5, 10**0.5, 10**-1.5, 10**-2.5, 10**1.5, 10**-3.5, 10**2.5)
-PLANS = ("table11", "online-grid", "method-grids", "selected", "nonprivate-sweep")
+PLANS = ("table11", "online-grid", "method-grids", "selected", "noise-swap", "nonprivate-sweep")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -102,6 +105,7 @@ class RunSpec:
     steps: int = STEPS
     train_size: int = TRAIN_SIZE
     batch_size: int = BATCH_SIZE
+    noise_of: str = ""  # the method whose honest grid's noise the run carries; "": its own (the noise-swap plan)
 
     @property
     def name(self) -> str:
@@ -110,6 +114,7 @@ class RunSpec:
         extra = ("_relu" if self.final_relu else "") + (f"_T{self.steps}" if self.steps != STEPS else "")
         extra += f"_n{self.train_size}" if self.train_size != TRAIN_SIZE else ""
         extra += f"_B{self.batch_size}" if self.batch_size != BATCH_SIZE else ""
+        extra += f"_noise-{self.noise_of.lower()}" if self.noise_of else ""
         return f"{self.method.lower()}_{budget}_{cells}_s{self.seed}{extra}"
 
     @property
@@ -118,8 +123,13 @@ class RunSpec:
 
     @property
     def grid_runs(self) -> int:
-        """The number of runs of the method's honest grid (the noise is calibrated for all of them)."""
-        return len(candidates_for(self.method, self.k))
+        """The number of runs of the honest grid whose noise the run carries (calibrated for all of them): its own
+        method's, or ``noise_of``'s."""
+        return len(candidates_for(self.noise_method, self.k))
+
+    @property
+    def noise_method(self) -> str:
+        return self.noise_of or self.method
 
     def seed_sequence(self) -> np.random.SeedSequence:
         """The run's randomness: the seed keyed by everything that names the run, so two runs never share streams
@@ -129,9 +139,19 @@ class RunSpec:
 
 
 def spec(
-    method, epsilon, seed, k=5, final_relu=False, steps=STEPS, train_size=TRAIN_SIZE, batch_size=BATCH_SIZE, **hparams
+    method,
+    epsilon,
+    seed,
+    k=5,
+    final_relu=False,
+    steps=STEPS,
+    train_size=TRAIN_SIZE,
+    batch_size=BATCH_SIZE,
+    noise_of="",
+    **hparams,
 ):
-    return RunSpec(method, epsilon, tuple(sorted(hparams.items())), seed, k, final_relu, steps, train_size, batch_size)
+    cells = tuple(sorted(hparams.items()))
+    return RunSpec(method, epsilon, cells, seed, k, final_relu, steps, train_size, batch_size, noise_of)
 
 
 def candidates_for(method: str, k: int) -> list[dict[str, float]]:
@@ -202,6 +222,9 @@ def plan_runs(plan: str, epsilons, seeds, runs_dir=None, **settings):
                     cell = selected_cell(method, float(eps), runs_dir, **settings)
                     if cell is not None:
                         out.append(spec(method, float(eps), seed, **kw, **cell))
+        elif plan == "noise-swap":
+            for eps in epsilons:
+                out.extend(noise_swap_runs(float(eps), seed, runs_dir, **settings))
         elif plan == "nonprivate-sweep":
             out.extend(spec("NoDP", None, seed, **kw, lr=lr) for lr in NONPRIVATE_LRS)
         else:
@@ -220,6 +243,21 @@ def selected_cell(method, epsilon, runs_dir, **settings):
         if best is None or record["best_test_acc"] > best[0]:
             best = (record["best_test_acc"], cell)
     return best[1]
+
+
+def noise_swap_runs(epsilon, seed, runs_dir, **settings) -> list[RunSpec]:
+    """Where Online's lead over FixedThreshold comes from: its learned hyperparameters or its smaller grid. Online's
+    selected cell with the noise of FixedThreshold's 25-cell grid, and FixedThreshold at the point Online's ``C_t``
+    and ``rho_t`` stay near (``C = C_0``, ``rho = `` Online's selected ``rho_0``) with the noise of Online's 5-cell
+    grid. Counterfactuals, not honest grid cells: each carries the other grid's noise. Empty until Online's grid has
+    run."""
+    online = selected_cell("Online", epsilon, runs_dir, **settings)
+    if online is None:
+        return []
+    return [
+        spec("Online", epsilon, seed, **settings, noise_of="FixedThreshold", **online),
+        spec("FixedThreshold", epsilon, seed, **settings, noise_of="Online", clip=INITIAL_CLIP, **online),
+    ]
 
 
 def read_run(run: RunSpec, runs_dir) -> dict | None:
@@ -334,7 +372,7 @@ def train_run(
     train, test = load_data(mnist_path, mnist_sha256, run.train_size)
     noise = None
     if run.epsilon is not None:
-        noise = grid_noise_multiplier(run.method, run.epsilon, run.k, run.steps, len(train), run.batch_size)
+        noise = grid_noise_multiplier(run.noise_method, run.epsilon, run.k, run.steps, len(train), run.batch_size)
     state = run.seed_sequence().generate_state(1)[0]
     torch.manual_seed(int(state))  # the initial weights and (non-private runs) the shuffling
     p = run.params

@@ -152,3 +152,27 @@ def test_workers_started_as_fresh_interpreters_train(tmp_path):
     results = mnist_full._train(runs, job, 2, "spawn", None)
     assert sorted(r["name"] for r in results) == sorted(run.name for run in runs)
     assert all((tmp_path / "runs" / f"{run.name}.json").exists() for run in runs)
+
+
+def test_noise_swap_runs_carry_the_other_grids_noise(tmp_path):
+    """The counterfactual runs are named apart from every grid cell, and each carries the other method's grid noise:
+    Online the 25-cell grid's, FixedThreshold (at C_0 and Online's selected rho_0) the 5-cell grid's."""
+    assert mnist_full.noise_swap_runs(3.0, 0, tmp_path) == []  # Online's grid has not run
+    for cell, acc in zip(mnist_full.grid_cells("Online"), (0.4, 0.8, 0.9, 0.7, 0.6)):
+        run = mnist_full.spec("Online", 3.0, 0, **cell)
+        (tmp_path / f"{run.name}.json").write_text(json.dumps({"best_test_acc": acc}))
+    online, fixed = mnist_full.noise_swap_runs(3.0, 1, tmp_path)
+    selected = mnist_full.grid_cells("Online")[2]
+    assert online == mnist_full.spec("Online", 3.0, 1, noise_of="FixedThreshold", **selected)
+    assert fixed.method == "FixedThreshold" and fixed.params == {"clip": mnist_full.INITIAL_CLIP, **selected}
+    assert (online.grid_runs, fixed.grid_runs) == (25, 5)
+    assert online.name == "online_eps3_k5_lr0.3162_s1_noise-fixedthreshold"
+    assert fixed.name == "fixedthreshold_eps3_k5_clip0.1_lr0.3162_s1_noise-online"
+    # the grid runs' names (and so their streams and files) are unchanged by the new field
+    assert mnist_full.spec("Online", 3.0, 1, **selected).name == "online_eps3_k5_lr0.3162_s1"
+    assert (
+        online.seed_sequence().generate_state(2).tolist()
+        != mnist_full.spec("Online", 3.0, 1, **selected).seed_sequence().generate_state(2).tolist()
+    )
+    plan = mnist_full.plan_runs("noise-swap", [3.0], [1], runs_dir=tmp_path)
+    assert plan == [online, fixed]
