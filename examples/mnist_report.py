@@ -29,6 +29,7 @@ from mnist_full import (
     ROOT,
     STEPS,
     grid_cells,
+    noise_swap_runs,
     read_run,
     selected_cell,
     spec,
@@ -143,6 +144,24 @@ def report_full(runs_dir: Path, seeds, settings) -> dict:
     }
 
 
+def noise_swap(runs_dir: Path, seeds, settings) -> list[dict]:
+    """Online's selected cell and FixedThreshold at Online's learned point, each at its own grid's noise and at the
+    other's (:func:`mnist_full.noise_swap_runs`): is Online's lead its hyperparameters or its smaller grid?"""
+    rows = []
+    for swapped in noise_swap_runs(3.0, 0, runs_dir, **settings):
+        row = {"method": swapped.method, "hparams": swapped.params}
+        for key, noise_of in (("own_grid", ""), ("other_grid", swapped.noise_of)):
+            accs, noise = {}, None
+            for seed in seeds:
+                run = spec(swapped.method, 3.0, seed, **settings, noise_of=noise_of, **swapped.params)
+                record = read_run(run, runs_dir)
+                if record is not None:
+                    accs[seed], noise = record["best_test_acc"], record["noise_multiplier"]
+            row[key] = {"grid_of": noise_of or swapped.method, "noise_multiplier": noise, "test_acc_per_seed": accs}
+        rows.append(row)
+    return rows
+
+
 def report_grid(runs_dir: Path, seeds, settings) -> dict:
     methods = {KEYS[method]: method_grid(method, 3.0, runs_dir, seeds, settings) for method in METHODS}
     paper = {KEYS[m]: {"test_acc": v[0] / 100, "std": v[1] / 100, "hparams": v[2]} for m, v in PAPER[5][3.0].items()}
@@ -150,6 +169,7 @@ def report_grid(runs_dir: Path, seeds, settings) -> dict:
         "command": [
             "python examples/mnist_full.py --plan method-grids --epsilons 3 --seeds 0 --jobs 2",
             "python examples/mnist_full.py --plan selected --epsilons 3 --seeds 0 1 2 --jobs 2",
+            "python examples/mnist_full.py --plan noise-swap --epsilons 3 --seeds 0 --jobs 2",
             "python examples/mnist_report.py",
         ],
         "epsilon": 3,
@@ -158,6 +178,7 @@ def report_grid(runs_dir: Path, seeds, settings) -> dict:
         "selection": "best test accuracy at seed 0 (the paper's rule: selected on the test set); seeds not charged",
         "methods": methods,
         "paper": paper,
+        "noise_swap": noise_swap(runs_dir, seeds, settings),
     }
 
 
@@ -184,18 +205,50 @@ def markdown_full(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _grid_matrix(entry: dict) -> list[str]:
+    """A two-axis grid as a matrix (rows: the learning rate; columns: C or gamma), a one-axis grid as a list."""
+    cells = entry["grid"]
+    axes = [key for key in cells[0]["hparams"] if len({c["hparams"][key] for c in cells}) > 1]
+    if len(axes) == 1:
+        return ["| cell | test |", "|---|---|"] + [f"| {_hp(c['hparams'])} | {_pct([c['test_acc']])} |" for c in cells]
+    column = next(key for key in axes if key != "lr")
+    columns = sorted({c["hparams"][column] for c in cells})
+    acc = {(c["hparams"]["lr"], c["hparams"][column]): c["test_acc"] for c in cells}
+    lines = [f"| lr \\ {column} | " + " | ".join(f"{v:.4g}" for v in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for lr in sorted({c["hparams"]["lr"] for c in cells}):
+        row = (("-" if acc[lr, v] is None else f"{100 * acc[lr, v]:.1f}") for v in columns)
+        lines.append(f"| {lr:.4g} | " + " | ".join(row) + " |")
+    return lines
+
+
 def markdown_grid(data: dict) -> str:
     lines = ["### Each method's own k = 5 grid at ε = 3: best test accuracy (%), seed 0", ""]
     for method in METHODS:
         entry = data["methods"][KEYS[method]]
         nu = "-" if entry["noise_multiplier"] is None else f"{entry['noise_multiplier']:.4f}"
-        lines += [f"**{method}** (ν = {nu}, {len(entry['grid'])} cells)", "", "| cell | test |", "|---|---|"]
-        for cell in entry["grid"]:
-            lines.append(f"| {_hp(cell['hparams'])} | {_pct([cell['test_acc']])} |")
+        done = sum(c["test_acc"] is not None for c in entry["grid"])
+        lines += [f"**{method}** (ν = {nu}; {done} of {len(entry['grid'])} cells run)", "", *_grid_matrix(entry)]
         selected = entry["selected"]
         paper = data["paper"][KEYS[method]]
         chosen = "-" if selected is None else f"{_hp(selected['hparams'])}: {_pct(selected['test_acc_per_seed'])}"
         lines += ["", f"Selected: {chosen}. Table 11: {100 * paper['test_acc']:.2f} ({_hp(paper['hparams'])}).", ""]
+    if data["noise_swap"]:
+        lines += [
+            "### The noise swap: each cell at its own grid's noise and at the other's (%)",
+            "",
+            "| method | cell | own grid's noise | the other grid's noise |",
+            "|---|---|---|---|",
+        ]
+        for row in data["noise_swap"]:
+            own, other = (row[key] for key in ("own_grid", "other_grid"))
+            cells = [
+                f"{_pct(side['test_acc_per_seed'].values())}, ν = "
+                + ("-" if side["noise_multiplier"] is None else f"{side['noise_multiplier']:.4f}")
+                + f" ({side['grid_of']}'s grid)"
+                for side in (own, other)
+            ]
+            lines.append(f"| {row['method']} | {_hp(row['hparams'])} | {cells[0]} | {cells[1]} |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -96,6 +96,12 @@ def test_runner_keeps_each_run_and_the_report_reads_them(tmp_path):
     assert grid["methods"]["online"]["selected"] is None  # four of its five cells have not run
     page = (tmp_path / "out" / "mnist-full.md").read_text()
     assert mnist_report.BEGIN in page and "91.19" in page
+    # the two-axis grids print as matrices: Table 11's FixedThreshold cell (clip 0.01, lr 10^0.5) is the row 3.162's
+    # first column; the noise swap waits for Online's grid
+    fixed_row = next(line for line in (tmp_path / "out" / "mnist-grid-eps3.md").read_text().splitlines()
+                     if line.startswith("| 3.162 |"))  # fmt: skip
+    assert fixed_row.split("|")[2].strip() == f"{100 * first[1]['best_test_acc']:.1f}"
+    assert grid["noise_swap"] == []
 
 
 def test_cuda_without_a_gpu_is_refused_before_any_data(monkeypatch, capsys, tmp_path):
@@ -176,3 +182,13 @@ def test_noise_swap_runs_carry_the_other_grids_noise(tmp_path):
     )
     plan = mnist_full.plan_runs("noise-swap", [3.0], [1], runs_dir=tmp_path)
     assert plan == [online, fixed]
+    # the report pairs each swapped run with the same cell at its own grid's noise
+    for run, acc, nu in ((online, 0.5, 2.17), (fixed, 0.95, 1.15)):
+        (tmp_path / f"{run.name}.json").write_text(json.dumps({"best_test_acc": acc, "noise_multiplier": nu}))
+    rows = mnist_report.noise_swap(tmp_path, [1], {})
+    assert [(r["method"], r["other_grid"]["test_acc_per_seed"]) for r in rows] == [
+        ("Online", {1: 0.5}),
+        ("FixedThreshold", {1: 0.95}),
+    ]
+    assert rows[0]["own_grid"] == {"grid_of": "Online", "noise_multiplier": None, "test_acc_per_seed": {}}
+    assert rows[1]["other_grid"]["grid_of"] == "Online" and rows[1]["other_grid"]["noise_multiplier"] == 1.15
