@@ -151,13 +151,12 @@ def noise_swap(runs_dir: Path, seeds, settings) -> list[dict]:
     for swapped in noise_swap_runs(3.0, 0, runs_dir, **settings):
         row = {"method": swapped.method, "hparams": swapped.params}
         for key, noise_of in (("own_grid", ""), ("other_grid", swapped.noise_of)):
-            accs, noise = {}, None
-            for seed in seeds:
-                run = spec(swapped.method, 3.0, seed, **settings, noise_of=noise_of, **swapped.params)
-                record = read_run(run, runs_dir)
-                if record is not None:
-                    accs[seed], noise = record["best_test_acc"], record["noise_multiplier"]
-            row[key] = {"grid_of": noise_of or swapped.method, "noise_multiplier": noise, "test_acc_per_seed": accs}
+            records = collect(swapped.method, 3.0, swapped.params, seeds, runs_dir, {**settings, "noise_of": noise_of})
+            row[key] = {
+                "grid_of": noise_of or swapped.method,
+                "noise_multiplier": next((r["noise_multiplier"] for r in records.values()), None),
+                "test_acc_per_seed": {seed: r["best_test_acc"] for seed, r in records.items()},
+            }
         rows.append(row)
     return rows
 
