@@ -161,6 +161,34 @@ def noise_swap(runs_dir: Path, seeds, settings) -> list[dict]:
     return rows
 
 
+def comparison(methods: dict, paper: dict) -> list[dict]:
+    """The paper's claim on these runs: each method's selected cell over its seeds against Table 11 (the goal: within
+    2 points of it, or above) and Online's lead over it, with the lead's standard error from the two cells' seed
+    spreads (``sqrt(s_a^2 / n_a + s_b^2 / n_b)``; None with fewer than 2 seeds on either side). A method whose grid has
+    not finished has no row values."""
+
+    def stats(key):
+        accs = (methods[key]["selected"] or {}).get("test_acc_per_seed", [])
+        mean = statistics.fmean(accs) if accs else None
+        return accs, mean, statistics.stdev(accs) if len(accs) > 1 else None
+
+    online_accs, online_mean, online_std = stats("online")
+    rows = []
+    for method in METHODS:
+        key = KEYS[method]
+        accs, mean, std = stats(key)
+        row = {"method": method, "hparams": (methods[key]["selected"] or {}).get("hparams"), "seeds": len(accs)}
+        row.update(mean=mean, std=std, paper=paper[key]["test_acc"])
+        row["vs_paper"] = None if mean is None else mean - paper[key]["test_acc"]
+        row["meets_goal"] = None if mean is None else mean >= paper[key]["test_acc"] - 0.02
+        lead = key != "online" and mean is not None and online_mean is not None
+        row["online_lead"] = online_mean - mean if lead else None
+        spread = lead and std is not None and online_std is not None
+        row["online_lead_se"] = math.sqrt(online_std**2 / len(online_accs) + std**2 / len(accs)) if spread else None
+        rows.append(row)
+    return rows
+
+
 def report_grid(runs_dir: Path, seeds, settings) -> dict:
     methods = {KEYS[method]: method_grid(method, 3.0, runs_dir, seeds, settings) for method in METHODS}
     paper = {KEYS[m]: {"test_acc": v[0] / 100, "std": v[1] / 100, "hparams": v[2]} for m, v in PAPER[5][3.0].items()}
@@ -178,6 +206,7 @@ def report_grid(runs_dir: Path, seeds, settings) -> dict:
         "methods": methods,
         "paper": paper,
         "noise_swap": noise_swap(runs_dir, seeds, settings),
+        "comparison": comparison(methods, paper),
     }
 
 
@@ -220,8 +249,26 @@ def _grid_matrix(entry: dict) -> list[str]:
     return lines
 
 
+def _points(value, se=None) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:+.1f}" + ("" if se is None else f" ± {100 * se:.1f}")
+
+
 def markdown_grid(data: dict) -> str:
-    lines = ["### Each method's own k = 5 grid at ε = 3: best test accuracy (%), seed 0", ""]
+    lines = [
+        "### Each method's selected cell at ε = 3, against Table 11 and against Online (points)",
+        "",
+        "| method | selected cell | ours | Table 11 | ours − Table 11 | Online's lead (± s.e.) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in data["comparison"]:
+        selected = data["methods"][KEYS[row["method"]]]["selected"]
+        ours = "-" if row["mean"] is None else _pct(selected["test_acc_per_seed"])
+        cell = "-" if row["hparams"] is None else _hp(row["hparams"])
+        paper, lead = f"{100 * row['paper']:.2f}", _points(row["online_lead"], row["online_lead_se"])
+        lines.append(f"| {row['method']} | {cell} | {ours} | {paper} | {_points(row['vs_paper'])} | {lead} |")
+    lines += ["", "### Each method's own k = 5 grid at ε = 3: best test accuracy (%), seed 0", ""]
     for method in METHODS:
         entry = data["methods"][KEYS[method]]
         nu = "-" if entry["noise_multiplier"] is None else f"{entry['noise_multiplier']:.4f}"

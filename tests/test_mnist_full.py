@@ -192,3 +192,37 @@ def test_noise_swap_runs_carry_the_other_grids_noise(tmp_path):
     ]
     assert rows[0]["own_grid"] == {"grid_of": "Online", "noise_multiplier": None, "test_acc_per_seed": {}}
     assert rows[1]["other_grid"]["grid_of"] == "Online" and rows[1]["other_grid"]["noise_multiplier"] == 1.15
+
+
+def test_comparison_states_online_lead_and_the_goal_from_the_seeds():
+    """The verdict table: each selected cell's mean over its seeds against Table 11 (the goal: no more than 2 points
+    below) and Online's lead with the standard error of a difference of two means; a grid not finished has no row
+    values, and one seed gives a lead without an error."""
+    methods = {
+        "online": {"selected": {"hparams": {"lr": 31.62}, "test_acc_per_seed": [0.95, 0.94, 0.96]}},
+        "fixedthreshold": {"selected": {"hparams": {"clip": 1.0, "lr": 0.3162}, "test_acc_per_seed": [0.90, 0.92]}},
+        "fixedquantile": {"selected": None},
+        "dpadamwosm": {"selected": {"hparams": {"clip": 1.0, "lr": 0.001}, "test_acc_per_seed": [0.88]}},
+    }
+    paper = {"online": 0.9119, "fixedthreshold": 0.8920, "fixedquantile": 0.8791, "dpadamwosm": 0.9127}
+    rows = {r["method"]: r for r in mnist_report.comparison(methods, {k: {"test_acc": v} for k, v in paper.items()})}
+    assert rows["Online"]["online_lead"] is None and rows["Online"]["meets_goal"]
+    fixed = rows["FixedThreshold"]
+    assert fixed["mean"] == pytest.approx(0.91) and fixed["vs_paper"] == pytest.approx(0.018)
+    assert fixed["online_lead"] == pytest.approx(0.04)
+    # sqrt(0.01^2 / 3 + 0.01414^2 / 2)
+    assert fixed["online_lead_se"] == pytest.approx((0.01**2 / 3 + 0.0002 / 2) ** 0.5, rel=1e-6)
+    assert rows["FixedQuantile"]["mean"] is None and rows["FixedQuantile"]["meets_goal"] is None
+    adam = rows["DPAdamWOSM"]
+    assert adam["meets_goal"] is False and adam["online_lead"] == pytest.approx(0.07)
+    assert adam["online_lead_se"] is None
+    grid = [{"hparams": {"lr": lr}, "test_acc": None} for lr in (1.0, 10.0)]
+    page = mnist_report.markdown_grid(
+        {
+            "comparison": list(rows.values()),
+            "methods": {key: {**entry, "grid": grid, "noise_multiplier": None} for key, entry in methods.items()},
+            "paper": {key: {"test_acc": value, "hparams": {}} for key, value in paper.items()},
+            "noise_swap": [],
+        }
+    )
+    assert "| FixedThreshold | clip = 1, lr = 0.3162 | 91.0 ± 1.4 (2 seeds) | 89.20 | +1.8 | +4.0 ± 1.2 |" in page
