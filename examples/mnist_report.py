@@ -6,7 +6,8 @@ Reads ``docs/results/mnist-full-runs/*.json`` (one file per finished run) and wr
   standard deviation over seeds, the paper's cell beside each), Online's whole k = 5 grid at epsilon 3 and the cell
   it selects, and the non-private learning-rate sweep;
 - ``docs/results/mnist-grid-eps3.{json,md,png}``: each method's whole k = 5 grid at epsilon 3 at its own grid's noise,
-  the cell the paper's rule selects (best test accuracy at seed 0), and that cell's accuracy per seed.
+  the cell the paper's rule selects (best test accuracy at seed 0), that cell's accuracy per seed, and each selected
+  cell against Table 11 and against Online's (the paper's claim).
 
 A run not yet finished shows as "-"; the report says how many of each plan's runs it holds.
 
