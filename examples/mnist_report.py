@@ -97,7 +97,8 @@ def method_grid(method, epsilon, runs_dir, seeds, settings) -> dict:
     best = selected_cell(method, epsilon, runs_dir, **settings)
     if best is not None:
         summary = cell_summary(method, epsilon, best, seeds, runs_dir, settings)
-        selected = {"hparams": best, "test_acc_per_seed": list(summary["test_acc_per_seed"].values())}
+        accs = list(summary["test_acc_per_seed"].values())
+        selected = {"hparams": best, "test_acc_per_seed": accs, "mean": summary["mean"], "std": summary["std"]}
     return {"noise_multiplier": noise, "grid": grid, "selected": selected}
 
 
@@ -166,26 +167,24 @@ def comparison(methods: dict, paper: dict) -> list[dict]:
     """The paper's claim on these runs: each method's selected cell over its seeds against Table 11 (the goal: within
     2 points of it, or above) and Online's lead over it, with the lead's standard error from the two cells' seed
     spreads (``sqrt(s_a^2 / n_a + s_b^2 / n_b)``; None with fewer than 2 seeds on either side). A method whose grid has
-    not finished has no row values."""
-
-    def stats(key):
-        accs = (methods[key]["selected"] or {}).get("test_acc_per_seed", [])
-        mean = statistics.fmean(accs) if accs else None
-        return accs, mean, statistics.stdev(accs) if len(accs) > 1 else None
-
-    online_accs, online_mean, online_std = stats("online")
+    not finished has no row values. Reads the mean and standard deviation :func:`method_grid` took from
+    :func:`cell_summary`."""
+    online = methods["online"]["selected"] or {}
     rows = []
     for method in METHODS:
         key = KEYS[method]
-        accs, mean, std = stats(key)
-        row = {"method": method, "hparams": (methods[key]["selected"] or {}).get("hparams"), "seeds": len(accs)}
+        selected = methods[key]["selected"] or {}
+        mean, std, seeds = selected.get("mean"), selected.get("std"), len(selected.get("test_acc_per_seed", []))
+        row = {"method": method, "hparams": selected.get("hparams"), "seeds": seeds}
         row.update(mean=mean, std=std, paper=paper[key]["test_acc"])
         row["vs_paper"] = None if mean is None else mean - paper[key]["test_acc"]
         row["meets_goal"] = None if mean is None else mean >= paper[key]["test_acc"] - 0.02
-        lead = key != "online" and mean is not None and online_mean is not None
-        row["online_lead"] = online_mean - mean if lead else None
-        spread = lead and std is not None and online_std is not None
-        row["online_lead_se"] = math.sqrt(online_std**2 / len(online_accs) + std**2 / len(accs)) if spread else None
+        lead = key != "online" and mean is not None and online.get("mean") is not None
+        row["online_lead"] = online["mean"] - mean if lead else None
+        spread = lead and std is not None and online.get("std") is not None
+        row["online_lead_se"] = (
+            math.sqrt(online["std"] ** 2 / len(online["test_acc_per_seed"]) + std**2 / seeds) if spread else None
+        )
         rows.append(row)
     return rows
 
