@@ -194,6 +194,36 @@ def test_bernoulli_has_exactly_its_probability_far_below_float_resolution():
         assert abs(trials.double().mean().item() - value) < 5 * math.sqrt(value / n)
 
 
+def test_a_trial_is_decided_by_the_word_in_hand_and_a_tie_by_further_bits():
+    """``below(uniform, p)``: the number ``U = (uniform + V) 2^-62`` against ``p``, with ``V`` from further words only
+    on a tie with ``floor(p 2^62)``. Below ``2^-9`` (where ``p 2^62`` has a fraction) a tie is kept exactly when the
+    further bits are below that fraction; at or above ``2^-9`` a tie is never kept. Over many words, each ``p`` is
+    kept at its rate, the far tail's ``2^-12`` included."""
+    p = torch.tensor([0.75 * 2.0**-60, 0.3, 2.0**-12], dtype=torch.float64)
+    whole = (p * 2.0**exact_noise.WORD_BITS).to(torch.int64)  # 3 (the fraction: 0.75 * 4 - 3 = 0), ...
+
+    def scripted(word):
+        def source(count, device):
+            return torch.full((count,), word, dtype=torch.int64)
+
+        return source
+
+    tiny = torch.tensor([0.6 * 2.0**-60], dtype=torch.float64)  # p 2^62 = 2.4: integer part 2, fraction 0.4
+    fraction_word = int(0.4 * 2**exact_noise.WORD_BITS)
+    assert bool(exact_noise.below(torch.tensor([1]), tiny, scripted(0)))  # below the integer part: kept
+    assert not bool(exact_noise.below(torch.tensor([3]), tiny, scripted(0)))  # above it: dropped
+    assert bool(exact_noise.below(torch.tensor([2]), tiny, scripted(fraction_word - 2**20)))  # tie, V < 0.4: kept
+    assert not bool(exact_noise.below(torch.tensor([2]), tiny, scripted(fraction_word + 2**20)))  # tie, V > 0.4
+    assert not exact_noise.below(whole, p, scripted(0)).any()  # ties at an integer threshold are dropped
+    assert exact_noise.below(whole - 1, p, scripted(2**62 - 1)).all()
+    generator = torch.Generator().manual_seed(4)
+    n = 4_000_000
+    for value in (0.3, 2.0**-12):
+        uniform = exact_noise.torch_words(generator)(n, torch.device("cpu"))
+        kept = exact_noise.below(uniform, torch.full((n,), value, dtype=torch.float64), exact_noise.torch_words(None))
+        assert abs(kept.double().mean().item() - value) < 5 * math.sqrt(value / n)
+
+
 def _chi_square_against_the_law(z: torch.Tensor, scale: float, bin_width: int, reach: int) -> tuple[float, int]:
     """Pearson's chi-square of ``z`` binned by ``bin_width`` over ``[-reach, reach]`` against ``N_Z(0, scale^2)``,
     with the mass beyond ``reach`` as one bin each side."""
@@ -223,9 +253,14 @@ def _chi_square_against_the_law(z: torch.Tensor, scale: float, bin_width: int, r
         (37.3, ((9, 2), (12, 6)), 4),  # blocks of s / 9 (the acceptance varies inside), then of 64, to 110 sigma
     ],
 )
-def test_discrete_gaussian_has_the_exact_law_tails_included(scale, layout, bin_width):
+@pytest.mark.parametrize("spares", ["enough", "too few"])
+def test_discrete_gaussian_has_the_exact_law_tails_included(scale, layout, bin_width, spares, monkeypatch):
     """At small scales, with layouts built like the release's: every bin's frequency, the tails beyond 3 sigma
-    included, matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square), zero counted once, both signs alike."""
+    included, matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square), zero counted once, both signs alike. With too
+    few spare proposals per chunk (none beyond the 64), the positions a chunk could not fill are drawn again."""
+    if spares == "too few":
+        monkeypatch.setattr(exact_noise, "_OVERDRAW", 1.0)
+        monkeypatch.setattr(exact_noise, "_CHUNK", 4096)  # about 4096 * 3% dropped per chunk against 64 spares
     n = 2_000_000
     words = exact_noise.torch_words(torch.Generator().manual_seed(5))
     z = exact_noise.discrete_gaussian((n,), torch.tensor(scale, dtype=torch.float64), words, layout=layout)
@@ -254,7 +289,7 @@ def _blocks_of(table: exact_noise.ProposalTable):
 @pytest.mark.parametrize("scale", [2.0**30, 1.37 * 2**30, 2.0**31 - 2.0**8])
 def test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error(scale):
     """The sampler's unnormalised law at an integer ``y`` is ``N(y) / w * acceptance(y)`` (its block's share of the
-    ``2^16`` buckets, the block's width, the float64 acceptance): it must equal ``exp(-y^2 / 2 s^2)`` times one
+    ``2^14`` buckets, the block's width, the float64 acceptance): it must equal ``exp(-y^2 / 2 s^2)`` times one
     constant, within the error the accountant charges (docs/algorithms.md: ``2^-43.98`` per probability at every
     ``|y| <= 16 s``), checked against 50-digit arithmetic at every block's ends and at random integers, far tails
     included; and no integer within 16 s is out of reach (an acceptance of at least ``2^-195``, the exact Bernoulli's

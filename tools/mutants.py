@@ -195,8 +195,8 @@ MUTANTS = (
     Mutant(
         "sampler_acceptance_from_the_anchor_distance",
         "lightning_oso/exact_noise.py",
-        "return table.factor[block] * torch.exp(-((y - anchor) * (y + anchor)) * table.inv_two_var)",
-        "return table.factor[block] * torch.exp(-((y - anchor) * (y - anchor)) * table.inv_two_var)",
+        "return factor * torch.exp(-((y - anchor) * (y + anchor)) * table.inv_two_var)",
+        "return factor * torch.exp(-((y - anchor) * (y - anchor)) * table.inv_two_var)",
         (
             "tests/test_exact_release.py::test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error",
             "tests/test_exact_release.py::test_discrete_gaussian_has_the_exact_law_tails_included",
@@ -206,10 +206,26 @@ MUTANTS = (
     Mutant(
         "sampler_early_drop_rounded_down",
         "lightning_oso/exact_noise.py",
-        "never = torch.where(late, 2**verdict_bits, (highest + (2**low_bits - 1)) >> low_bits)",
-        "never = torch.where(late, 2**verdict_bits, highest >> low_bits)",
+        "never = (highest + (2**low_bits - 1)) >> low_bits",
+        "never = highest >> low_bits",
         ("tests/test_exact_release.py::test_early_decisions_are_those_of_the_acceptance",),
         "the sampler's early rejection threshold rounded down: trials the acceptance would keep are dropped unread",
+    ),
+    Mutant(
+        "sampler_tie_dropped",
+        "lightning_oso/exact_noise.py",
+        "if tie.numel():",
+        "if False:",
+        ("tests/test_exact_release.py::test_a_trial_is_decided_by_the_word_in_hand_and_a_tie_by_further_bits",),
+        "a trial tied with a fractional threshold dropped without its further bits: a tail probability loses mass",
+    ),
+    Mutant(
+        "sampler_empty_positions_kept",
+        "lightning_oso/exact_noise.py",
+        "ready = wanted if filled == dropped.numel() else int(dropped[filled])",
+        "ready = wanted",
+        ("tests/test_exact_release.py::test_discrete_gaussian_has_the_exact_law_tails_included",),
+        "a chunk short of spare proposals released with its dropped proposals in the positions left empty",
     ),
     Mutant(
         "charged_at_nu_g",
