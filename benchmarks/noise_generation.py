@@ -2,23 +2,29 @@
 operating system's secure one (``secure_rng=True``), beside the discrete Laplace proposal of Canonne, Kamath and
 Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and torch's float32 ``normal_``.
 
-    python benchmarks/noise_generation.py [--numbers 670000] [--repeats 7] [--threads 1] [--device cpu]
+    python benchmarks/noise_generation.py [--numbers 670000] [--repeats 7] [--threads 1] [--device cpu] [--against REV]
 
 Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``)
 from each word source (the keyed numpy words of the CPU noise streams, a torch generator as on an accelerator, the
 secure one),
 counts the 62-bit words each draw consumes, prints a table and writes JSON. Medians over the repeats, the samplers
 interleaved. ``normal_`` is not what the private step draws (its low-order bits and its 5.77-sigma cut-off leak;
-docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with.
+docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with. ``--against REV``
+adds the sampler as it was at the git revision ``REV`` (its ``exact_noise.py`` loaded beside the current one, keyed
+numpy words), interleaved with the others: a change to the sampler is measured side by side with what it replaces.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +61,20 @@ def cks20_discrete_gaussian(count: int, s: torch.Tensor, words: exact_noise.Word
     return out
 
 
+def sampler_at(revision: str):
+    """``lightning_oso.exact_noise`` as it was at the git revision ``revision``, loaded as a module of its own."""
+    root = Path(__file__).resolve().parents[1]
+    show = ["git", "show", f"{revision}:lightning_oso/exact_noise.py"]
+    source = subprocess.run(show, cwd=root, capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="exact-noise-")) / "exact_noise_at_revision.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("exact_noise_at_revision", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _counting(words: exact_noise.Words, tally: list[int]) -> exact_noise.Words:
     def counted(count: int, device: torch.device) -> torch.Tensor:
         tally[0] += count
@@ -80,6 +100,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/noise_generation.json")
+    parser.add_argument("--against", metavar="REV", help="also time the sampler at this git revision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     scale = torch.tensor(1.5 * 2.0**exact_noise.GRID_BITS, dtype=torch.float64, device=args.device)
@@ -107,6 +128,14 @@ def main() -> None:
             generator=torch_generator
         ),
     }
+    if args.against:
+        earlier = sampler_at(args.against)
+        name = f"exact at {args.against}, keyed numpy words"
+        tallies[name] = [0]
+        keyed_earlier = KeyedWords(np.random.SeedSequence(1))
+        draws[name] = lambda: earlier.discrete_gaussian(
+            (args.numbers,), scale, _counting(words_of(keyed_earlier), tallies[name])
+        )
     times: dict[str, list[float]] = {name: [] for name in draws}
     for _ in range(args.repeats + 1):  # the first round warms up
         for name, draw in draws.items():
@@ -119,13 +148,15 @@ def main() -> None:
         "threads": args.threads,
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
+        "against": args.against,
         "median_ms": median_ms,
         "words_per_number": words_per_number,
     }
-    print(f"{'draw':<32}{'ms':>12}{'ns / number':>14}{'words / number':>16}")
+    width = max(map(len, median_ms)) + 2
+    print(f"{'draw':<{width}}{'ms':>12}{'ns / number':>14}{'words / number':>16}")
     for name, ms in median_ms.items():
         per = f"{words_per_number[name]:.2f}" if name in words_per_number else "-"
-        print(f"{name:<32}{ms:>12.2f}{1e6 * ms / args.numbers:>14.1f}{per:>16}")
+        print(f"{name:<{width}}{ms:>12.2f}{1e6 * ms / args.numbers:>14.1f}{per:>16}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
