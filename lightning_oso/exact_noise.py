@@ -336,6 +336,10 @@ def discrete_gaussian(
 #: stay in a CPU core's cache between its dozen passes (benchmarks/noise_generation.py: 2^16 draws per chunk take 23%
 #: less time than 2^18 on one thread, while 2^14 pays the per-operation overhead), and small beside a model's sums.
 _CHUNK = 2**16
+#: Draws per chunk on an accelerator, where a chunk costs a few dozen kernel launches and three host reads (the
+#: ``nonzero`` of the open trials and of the dropped and spare proposals) whatever its size: at ``2^16`` a model of
+#: 10^8 parameters would take 1,500 chunks per step. The temporaries of ``2^20`` draws are about 60 MB.
+_ACCELERATOR_CHUNK = 2**20
 #: Proposals drawn per draw still needed: 3.5-4.7% are rejected (the most at the smallest scales), so one round nearly
 #: always suffices.
 _OVERDRAW = 1.06
@@ -353,9 +357,10 @@ def _draw(
     draws are independent and of the law, and no compaction of the chunk is needed."""
     device = table.start.device
     out = torch.empty(count, dtype=torch.int64, device=device) if add_to is None else add_to
+    chunk = _CHUNK if device.type == "cpu" else _ACCELERATOR_CHUNK
     done = 0
     while done < count:
-        wanted = min(count - done, _CHUNK)
+        wanted = min(count - done, chunk)
         value, keep = _proposals(int(wanted * _OVERDRAW) + 64, table, words, layout, bucket_bits)
         dropped = torch.logical_not(keep[:wanted]).nonzero().squeeze(1)
         spare = keep[wanted:].nonzero().squeeze(1).add_(wanted)
