@@ -417,7 +417,8 @@ class OSOClipping(ClippingRule):
             lr_sign = torch.sign(flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
             lr_factor = torch.exp(self.lr_lr * lr_sign)
-        self.prev_gradient = [g.detach().clone() for g in gradient]  # a copy: p.grad is a view a user may edit
+        # the release's own tensors, which nothing edits: the strategy writes copies of them into p.grad
+        self.prev_gradient = [g.detach() for g in gradient]
         self._prev_direction = direction
         return lr_factor
 

@@ -210,6 +210,29 @@ def test_user_hooks_and_optimizer_see_only_sanitised_gradients(grad_sample_mode)
         torch.testing.assert_close(p.detach(), p0 - 1.0 * g)  # SGD, lr 1, no momentum: the step is -grad
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("64-true", torch.float64)])
+def test_editing_the_gradient_in_a_hook_leaves_what_oso_learns_from_unchanged(precision, dtype):
+    """OSO's next update reads the released ``g~_{t-1}``; a hook that edits ``p.grad`` in place (here: zeroes it,
+    as a gradient clipping or a user's rescaling edits it) must not reach it. float64 parameters too, where the
+    released value needs no cast to become ``p.grad``."""
+
+    class Editor(ToyModel):
+        def on_before_optimizer_step(self, optimizer):
+            self.written = [p.grad.detach().clone() for p in self.parameters()]
+            for p in self.parameters():
+                p.grad.mul_(0.0)
+
+    model = Editor()
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1)
+    make_trainer([dp], max_steps=2, precision=precision).fit(model, toy_loader(batch_size=20))
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    kept = dp.rule.prev_gradient
+    assert {g.dtype for g in kept} == {torch.float64}
+    for g, written in zip(kept, model.written, strict=True):
+        assert torch.count_nonzero(written) == written.numel()  # the noisy gradient, before the hook zeroed it
+        torch.testing.assert_close(g.to(dtype), written, rtol=0, atol=0)
+
+
 def test_unused_parameter_is_noised(fit_toy):
     """A parameter no forward uses still gets the step's noise (whether a parameter is used may depend on the data):
     plain SGD at lr 0.5 moves it by 10 steps of noise of std C nu / B each."""

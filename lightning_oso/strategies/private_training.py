@@ -338,9 +338,10 @@ class PrivateTraining(_StrategyBase):
             wiring = self.process_release.wiring(self._record_step if plan.ledger is not None else None)
             released = release(clipped, self.rule, self.expected_batch_size, wiring)
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
-        # the parameters' dtype (bfloat16 under precision="bf16-true") only here
+        # the parameters' dtype (bfloat16 under precision="bf16-true") only here, and always as copies: a user's
+        # hook, gradient clipping or the optimizer may edit p.grad, while the rule keeps the released values
         for p, gradient in zip(params, released.gradients):
-            p.grad = gradient.to(p.dtype)
+            p.grad = gradient.to(p.dtype, copy=True)
         return released
 
     def _record_step(self) -> None:
