@@ -198,13 +198,15 @@ class OuterProduct:
                 d_in, d_out = self.a.shape[2], self.b.shape[2]
                 flat = self.b.new_empty(len(groups), d_out, d_in)
                 for k, rows in enumerate(groups):
-                    # gathered once, scaled in place, each product written straight into its column: no stack copy
-                    scaled = torch.index_select(self.b, 0, rows).mul_(weights[rows, k, None, None])
-                    torch.mm(
-                        scaled.reshape(-1, d_out).t(),
-                        torch.index_select(self.a, 0, rows).reshape(-1, d_in),
-                        out=flat[k],
-                    )
+                    if rows.numel() == self.a.shape[0]:
+                        # every record in this column (OSO with every record clipped): the inputs as they are, the
+                        # same product without a gathered copy of them (which took as long as the product)
+                        scaled, inputs = self.b * weights[:, k, None, None], self.a
+                    else:
+                        # gathered once, scaled in place, each product written straight into its column
+                        scaled = torch.index_select(self.b, 0, rows).mul_(weights[rows, k, None, None])
+                        inputs = torch.index_select(self.a, 0, rows)
+                    torch.mm(scaled.reshape(-1, d_out).t(), inputs.reshape(-1, d_in), out=flat[k])
             else:
                 n, t, d_out = self.b.shape
                 k = weights.shape[1]
