@@ -233,6 +233,27 @@ def test_editing_the_gradient_in_a_hook_leaves_what_oso_learns_from_unchanged(pr
         torch.testing.assert_close(g.to(dtype), written, rtol=0, atol=0)
 
 
+def test_on_one_process_the_sums_reach_the_release_unconverted(monkeypatch):
+    """With nothing to add up across processes, the clipped sums go to the noise stage as they were accumulated
+    (float32 here): the release's own float64 copy is the only one, not a second model-sized copy of every row made
+    for a reduction that does not happen. What is released is float64 all the same."""
+    from lightning_oso.strategies.release import ProcessRelease
+
+    seen: list[set[torch.dtype]] = []
+    add_noise = ProcessRelease.add_noise
+
+    def spy(self, sums, stds):
+        seen.append({s.dtype for s in sums})
+        released = add_noise(self, sums, stds)
+        assert {r.dtype for r in released} == {torch.float64}
+        return released
+
+    monkeypatch.setattr(ProcessRelease, "add_noise", spy)
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, initial_clip=0.1)
+    make_trainer([dp], max_steps=2).fit(ToyModel(), toy_loader(batch_size=20))
+    assert seen[::2] == [{torch.float32}] * 2  # each step's clipped sums (then the direction query's scalar)
+
+
 def test_unused_parameter_is_noised(fit_toy):
     """A parameter no forward uses still gets the step's noise (whether a parameter is used may depend on the data):
     plain SGD at lr 0.5 moves it by 10 steps of noise of std C nu / B each."""

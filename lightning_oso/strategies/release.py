@@ -60,7 +60,9 @@ class ProcessRelease:
         processes, the ledger's write-ahead ``record_step`` and the noise that materialises a deferred query."""
         return ReleaseWiring(
             add_noise=self.add_noise,
-            sum_across_processes=self.sum_across_processes,
+            # None on one process: the release then makes its one float64 copy of the sums itself, where a reduction
+            # would first need the sums converted to float64 (a model-sized copy of every row, for nothing)
+            sum_across_processes=self.sum_across_processes if self._process.world_size > 1 else None,
             record_step=record_step,
             materialise_noise=self._materialise_noise(self._process.executed_steps),
         )
