@@ -72,8 +72,8 @@ Layout = tuple[tuple[int, int], ...]
 #: ``32 s``.
 RELEASE_LAYOUT: Layout = ((33, 26), (36, 30))
 #: A word's top bits that pick the proposal's block: ``2^14`` table entries, 128 KB per int64 table, which stay in a
-#: core's cache (with ``2^16`` entries the three table reads of every proposal missed it; the sampler took 1.3 times as
-#: long, for an acceptance rate one point higher).
+#: core's cache (with ``2^16`` entries the three table reads of every proposal missed it; the sampler took 1.1 to 1.25
+#: times as long, for an acceptance rate one point higher).
 BUCKET_BITS = 14
 
 _MANTISSA_BITS = 53
@@ -383,8 +383,9 @@ def _proposals(
 
     One word per proposal: its top ``bucket_bits`` bits pick the block, its low bits the position in a narrow block,
     and the bits between are the top of the acceptance trial's uniform 62-bit number, enough to decide most trials
-    against the table's ``sure`` / ``never``. A trial left open (about 3%) gets the rest of its uniform number from
-    a fresh word, whose top bits also extend the position in a wide block: every bit is read once."""
+    against the table's ``sure`` / ``never``. A trial left open (2.4-4.7%) gets the rest of its uniform number from
+    a fresh word, whose top bits also extend the position in a wide block, and is decided by :func:`below`: every bit
+    is read once."""
     device = table.start.device
     narrow_bits = layout[0][1]
     verdict_bits = WORD_BITS - bucket_bits - narrow_bits
