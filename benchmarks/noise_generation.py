@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import math
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -61,17 +60,14 @@ def cks20_discrete_gaussian(count: int, s: torch.Tensor, words: exact_noise.Word
     return out
 
 
-def sampler_at(revision: str):
+def sampler_at(revision: str) -> types.ModuleType:
     """``lightning_oso.exact_noise`` as it was at the git revision ``revision``, loaded as a module of its own."""
+    where = f"{revision}:lightning_oso/exact_noise.py"
     root = Path(__file__).resolve().parents[1]
-    show = ["git", "show", f"{revision}:lightning_oso/exact_noise.py"]
-    source = subprocess.run(show, cwd=root, capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="exact-noise-")) / "exact_noise_at_revision.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("exact_noise_at_revision", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    source = subprocess.run(["git", "show", where], cwd=root, capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType("exact_noise_at_revision")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up there
+    exec(compile(source, where, "exec"), module.__dict__)
     return module
 
 
