@@ -6,8 +6,8 @@ Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and t
 
 Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``)
 from each word source (the keyed numpy words of the CPU noise streams, a torch generator as on an accelerator, the
-secure one),
-counts the 62-bit words each draw consumes, prints a table and writes JSON. Medians over the repeats, the samplers
+secure one), and with the accelerators' vectorised passes in place of the CPU's compiled loop; counts the 62-bit
+words each draw takes from its source, prints a table and writes JSON. Medians over the repeats, the samplers
 interleaved. ``normal_`` is not what the private step draws (its low-order bits and its 5.77-sigma cut-off leak;
 docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with. ``--against REV``
 adds the sampler as it was at the git revision ``REV`` (its ``exact_noise.py`` loaded beside the current one, keyed
@@ -79,6 +79,15 @@ def _counting(words: exact_noise.Words, tally: list[int]) -> exact_noise.Words:
     return counted
 
 
+def _vectorised(draw):
+    """``draw()`` with the accelerators' vectorised passes on the CPU too, in place of the compiled loop."""
+    exact_noise._COMPILED_ON_CPU = False
+    try:
+        return draw()
+    finally:
+        exact_noise._COMPILED_ON_CPU = True
+
+
 def _time(fn, device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -105,11 +114,24 @@ def main() -> None:
     keyed = KeyedWords(np.random.SeedSequence(0))
     tallies = {
         name: [0]
-        for name in ("exact, keyed numpy words", "exact, torch generator", "exact, secure", "CKS20 Laplace proposal")
+        for name in (
+            "exact, keyed numpy words",
+            "exact, vectorised passes, keyed numpy words",
+            "exact, torch generator",
+            "exact, secure",
+            "CKS20 Laplace proposal",
+        )
     }
     draws = {
         "exact, keyed numpy words": lambda: exact_noise.discrete_gaussian(
             (args.numbers,), scale, _counting(words_of(keyed), tallies["exact, keyed numpy words"])
+        ),
+        "exact, vectorised passes, keyed numpy words": lambda: _vectorised(
+            lambda: exact_noise.discrete_gaussian(
+                (args.numbers,),
+                scale,
+                _counting(words_of(keyed), tallies["exact, vectorised passes, keyed numpy words"]),
+            )
         ),
         "exact, torch generator": lambda: exact_noise.discrete_gaussian(
             (args.numbers,), scale, _counting(words_of(torch_generator), tallies["exact, torch generator"])

@@ -11,7 +11,8 @@ float addition is exact (Sterbenz) and the output falls on the lattice of that s
 reveal the record; and torch's float32 normal draws never exceed 5.77 sigma, so a shift beyond that is detected with
 certainty.
 
-The sampler (vectorised over all coordinates at once):
+The sampler (on a CPU one compiled loop over the words, :mod:`lightning_oso.exact_noise_kernel`; on an accelerator
+the same decisions as vectorised passes over a chunk of coordinates, :func:`_proposals`):
 
 - :func:`bernoulli`: ``P(True) = p`` *exactly* for a float64 ``p``, from uniform bits (for ``p >= 2^-9``,
   ``p 2^62`` is an integer and one 62-bit word is below it with probability ``p``; a smaller ``p`` takes leading
@@ -340,6 +341,11 @@ _CHUNK = 2**16
 #: ``nonzero`` of the open trials and of the dropped and spare proposals) whatever its size: at ``2^16`` a model of
 #: 10^8 parameters would take 1,500 chunks per step. The temporaries of ``2^20`` draws are about 60 MB.
 _ACCELERATOR_CHUNK = 2**20
+#: Draw on a CPU with the compiled loop (:func:`_draw_compiled`); the tests switch it off to check the vectorised
+#: path the accelerators take on the same law.
+_COMPILED_ON_CPU = True
+#: Fresh words drawn per draw still needed, for the compiled loop's open trials (2.4-4.7% of the proposals).
+_FRESH_SHARE = 0.06
 #: Proposals drawn per draw still needed: 3.5-4.7% are rejected (the most at the smallest scales), so one round nearly
 #: always suffices.
 _OVERDRAW = 1.06
@@ -357,6 +363,8 @@ def _draw(
     draws are independent and of the law, and no compaction of the chunk is needed."""
     device = table.start.device
     out = torch.empty(count, dtype=torch.int64, device=device) if add_to is None else add_to
+    if device.type == "cpu" and _COMPILED_ON_CPU:
+        return _draw_compiled(count, table, words, layout, bucket_bits, out, add=add_to is not None)
     chunk = _CHUNK if device.type == "cpu" else _ACCELERATOR_CHUNK
     done = 0
     while done < count:
@@ -374,6 +382,58 @@ def _draw(
             out[done : done + ready].add_(value[:ready])
         done += ready
     return out
+
+
+def _draw_compiled(
+    count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int, out: Tensor, add: bool
+) -> Tensor:
+    """:func:`_draw` on a CPU: the proposals are made and decided one by one in a compiled loop
+    (:mod:`lightning_oso.exact_noise_kernel`), the first ``count`` kept ones written (or added) to ``out`` in order.
+    Each kept proposal is an independent draw of the law whichever were dropped, and the loop stops on the count of
+    kept ones alone, so the draws are independent and of the law. The words come in chunks of :data:`_CHUNK` (and
+    open trials' fresh words in chunks of :data:`_FRESH_SHARE` of that), drawn as the loop runs out of them; words
+    left over are never used again."""
+    from lightning_oso import exact_noise_kernel as kernel  # numba compiles (or loads) the loop on first use
+
+    device = out.device
+    target = out.numpy()  # shares memory: the kernel writes the tensor
+    fields = kernel_fields(table, layout, bucket_bits)
+    empty = torch.empty(0, dtype=torch.int64).numpy()
+    word, used, fresh, fresh_used, filled = empty, 0, empty, 0, 0
+    pending_value = torch.zeros(1, dtype=torch.int64).numpy()
+    pending_threshold = torch.zeros(1, dtype=torch.float64).numpy()
+    while True:
+        status, filled, used, fresh_used = kernel.fill(
+            target, add, filled, count, word, used, fresh, fresh_used, *fields, pending_value, pending_threshold
+        )
+        if status == kernel.DONE:
+            return out
+        if status == kernel.OUT_OF_WORDS:
+            word, used = words(int(min(count - filled, _CHUNK) * _OVERDRAW) + 64, device).numpy(), 0
+        elif status == kernel.OUT_OF_FRESH:
+            fresh, fresh_used = words(int(min(count - filled, _CHUNK) * _FRESH_SHARE) + 8, device).numpy(), 0
+        else:  # a tie with the threshold's integer part: below()'s rule, further bits against its fraction
+            threshold = float(pending_threshold[0])
+            fraction = torch.tensor([threshold - math.floor(threshold)], dtype=torch.float64)
+            if bernoulli(fraction, words).numpy()[0]:  # the noise's own bits, on the CPU
+                target[filled] = target[filled] + pending_value[0] if add else pending_value[0]
+                filled += 1
+
+
+def kernel_fields(table: ProposalTable, layout: Layout, bucket_bits: int) -> tuple:
+    """The arguments of ``exact_noise_kernel.fill`` that describe ``table`` (a CPU one): the per-bucket fields packed
+    in one array (columns ``kernel.START``, ``SURE``, ``NEVER``, ``BLOCK``), the per-block ones, and the constants."""
+    bucket_table = torch.stack([table.start, table.sure, table.never, table.block], dim=1)
+    return (
+        bucket_table.numpy(),
+        table.mask.numpy(),
+        table.anchor.numpy(),
+        table.factor.numpy(),
+        float(table.inv_two_var.numpy()),  # a setting (the noise scale); a CPU tensor's memory: no device read
+        WORD_BITS,
+        bucket_bits,
+        layout[0][1],
+    )
 
 
 def _proposals(

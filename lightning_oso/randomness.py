@@ -89,7 +89,8 @@ class KeyedWords:
     def words(self, count: int, device: torch.device | str = "cpu") -> Tensor:
         """``count`` int64 words of 62 uniform bits each (the top 62 of each 64-bit output)."""
         raw = self._bits.random_raw(count)
-        return torch.from_numpy((raw >> np.uint64(2)).view(np.int64)).to(device)
+        raw >>= np.uint64(2)  # in place: no second model-sized array
+        return torch.from_numpy(raw.view(np.int64)).to(device)
 
 
 #: Where a draw comes from: a keyed torch generator, keyed numpy words (the CPU noise), or the operating system's

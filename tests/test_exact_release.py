@@ -224,6 +224,119 @@ def test_a_trial_is_decided_by_the_word_in_hand_and_a_tie_by_further_bits():
         assert abs(kept.double().mean().item() - value) < 5 * math.sqrt(value / n)
 
 
+@pytest.fixture(params=["compiled", "vectorised"])
+def sampler(request, monkeypatch):
+    """Both implementations of the sampler's decisions: the compiled loop the CPU runs and the vectorised passes the
+    accelerators run (here on the CPU), each held to the law."""
+    monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", request.param == "compiled")
+    return request.param
+
+
+class _TieSource:
+    """Words by call: the proposals (positions ``12345, 12346, ...`` of bucket 0, verdict bits 0), then the open
+    trials' fresh words (the first's low bits ``2``, a tie with ``floor(2.4)``, the others 0), then the tie's further
+    bits. Both samplers ask in this order, whatever the counts."""
+
+    def __init__(self, further: int) -> None:
+        self.calls = 0
+        self.further = further
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return 12345 + torch.arange(count, dtype=torch.int64, device=device)
+        if self.calls == 2:
+            return torch.tensor([2] + [0] * (count - 1), dtype=torch.int64, device=device)
+        return torch.full((count,), self.further, dtype=torch.int64, device=device)
+
+
+def _one_block_table(factor: float) -> exact_noise.ProposalTable:
+    """A table whose every bucket names one narrow block ``[5, 5 + 2^26)`` and leaves every trial open, with a flat
+    acceptance ``factor`` (``1 / (2 s^2) = 0``): the trial is decided by ``uniform`` against ``factor * 2^62``."""
+    buckets = 2**exact_noise.BUCKET_BITS
+    return exact_noise.ProposalTable(
+        block=torch.zeros(buckets, dtype=torch.int64),
+        start=torch.full((buckets,), 5, dtype=torch.int64),
+        sure=torch.zeros(buckets, dtype=torch.int64),
+        never=torch.full((buckets,), 2**62, dtype=torch.int64),
+        mask=torch.tensor([2**26 - 1, 0]),
+        anchor=torch.tensor([5, 0]),
+        factor=torch.tensor([factor, 0.0], dtype=torch.float64),
+        inv_two_var=torch.tensor(0.0, dtype=torch.float64),
+    )
+
+
+@pytest.mark.parametrize("further_bits", ["below the fraction", "above it"])
+def test_both_samplers_settle_a_tie_with_the_threshold_by_further_bits(sampler, further_bits):
+    """A proposal whose trial ties with ``floor(p 2^62)`` (``p 2^62 = 2.4``: a tie at 2) is kept exactly when further
+    bits fall below the fraction 0.4, as :func:`exact_noise.below` rules, on both samplers; when it is dropped the
+    draw is the next proposal's."""
+    table = _one_block_table(0.6 * 2.0**-60)
+    fraction_word = int(0.4 * 2**exact_noise.WORD_BITS) + (-(2**20) if further_bits == "below the fraction" else 2**20)
+    source = _TieSource(fraction_word)
+    value = exact_noise._draw(1, table, source, exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS)
+    kept = further_bits == "below the fraction"
+    assert int(value[0]) == 5 + 12345 + (0 if kept else 1)  # dropped: the next proposal, its number 0 below 2.4
+    assert source.calls == 3  # the tie read its further bits
+
+
+@pytest.mark.parametrize(
+    ("scale", "layout"),
+    [
+        (1.37 * 2**30, exact_noise.RELEASE_LAYOUT),
+        (3.0, ((4, 0), (7, 2))),  # blocks of one integer: every trial decided by the word in hand
+        (37.3, ((9, 2), (12, 6))),
+        (37.3, ((6, 2), (12, 6))),  # a tenth of the mass in wide blocks, their positions extended by fresh words
+    ],
+)
+def test_the_compiled_loop_decides_every_proposal_as_the_vectorised_passes_do(scale, layout):
+    """Given the same proposal words and the same fresh words, the CPU's compiled loop keeps exactly the proposals
+    the accelerators' vectorised passes keep, with the same values, in order, and takes one fresh word per open trial
+    as they do: the two samplers are one mechanism, bit for bit, and the law tests above hold for both. The words are
+    random ones and, for every bucket, words whose verdict bits sit on each side of its early thresholds."""
+    from lightning_oso import exact_noise_kernel as kernel
+
+    table = exact_noise.proposal_table(torch.tensor(scale, dtype=torch.float64), layout)
+    generator = torch.Generator().manual_seed(11)
+    narrow_bits = layout[0][1]
+    verdict_bits = exact_noise.WORD_BITS - exact_noise.BUCKET_BITS - narrow_bits
+    # every bucket's early thresholds met exactly: the verdict bits just below and at ``sure`` and ``never``
+    bucket = torch.arange(2**exact_noise.BUCKET_BITS)
+    edges = torch.cat([table.sure - 1, table.sure, table.never - 1, table.never]).clamp(0, 2**verdict_bits - 1)
+    edge_words = (bucket.repeat(4) << (exact_noise.WORD_BITS - exact_noise.BUCKET_BITS)) | (edges << narrow_bits)
+    random_words = exact_noise.torch_words(generator)(200_000, torch.device("cpu"))
+    main = torch.cat([random_words, edge_words])
+    size = main.numel()
+    fresh = exact_noise.torch_words(generator)(size, torch.device("cpu"))
+    handed, asked = iter([main, fresh]), []
+
+    def source(count, device):
+        asked.append(count)
+        return next(handed)[:count]
+
+    value, keep = exact_noise._proposals(size, table, source, layout, exact_noise.BUCKET_BITS)
+    out = torch.empty(size, dtype=torch.int64)
+    status, filled, used, fresh_used = kernel.fill(
+        out.numpy(),
+        False,
+        0,
+        size,
+        main.numpy(),
+        0,
+        fresh.numpy(),
+        0,
+        *exact_noise.kernel_fields(table, layout, exact_noise.BUCKET_BITS),
+        torch.zeros(1, dtype=torch.int64).numpy(),
+        torch.zeros(1, dtype=torch.float64).numpy(),
+    )
+    assert (status, used) == (kernel.OUT_OF_WORDS, size)
+    assert size // 2 < filled < size
+    assert torch.equal(out[:filled], value[keep])
+    assert fresh_used == sum(asked[1:])  # one fresh word per open trial, as many trials open
+    if scale > 10:  # blocks wider than one integer: some trials open
+        assert fresh_used > 0
+
+
 def _chi_square_against_the_law(z: torch.Tensor, scale: float, bin_width: int, reach: int) -> tuple[float, int]:
     """Pearson's chi-square of ``z`` binned by ``bin_width`` over ``[-reach, reach]`` against ``N_Z(0, scale^2)``,
     with the mass beyond ``reach`` as one bin each side."""
@@ -254,13 +367,15 @@ def _chi_square_against_the_law(z: torch.Tensor, scale: float, bin_width: int, r
     ],
 )
 @pytest.mark.parametrize("spares", ["enough", "too few"])
-def test_discrete_gaussian_has_the_exact_law_tails_included(scale, layout, bin_width, spares, monkeypatch):
+def test_discrete_gaussian_has_the_exact_law_tails_included(scale, layout, bin_width, spares, sampler, monkeypatch):
     """At small scales, with layouts built like the release's: every bin's frequency, the tails beyond 3 sigma
     included, matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square), zero counted once, both signs alike. With too
-    few spare proposals per chunk (none beyond the 64), the positions a chunk could not fill are drawn again."""
+    few spare proposals per chunk (none beyond the 64), the positions a chunk could not fill are drawn again; the
+    compiled loop then also runs out of fresh words for its open trials, again and again."""
     if spares == "too few":
         monkeypatch.setattr(exact_noise, "_OVERDRAW", 1.0)
         monkeypatch.setattr(exact_noise, "_CHUNK", 4096)  # about 4096 * 3% dropped per chunk against 64 spares
+        monkeypatch.setattr(exact_noise, "_FRESH_SHARE", 0.001)  # 12 fresh words per chunk, for ~100 open trials
     n = 2_000_000
     words = exact_noise.torch_words(torch.Generator().manual_seed(5))
     z = exact_noise.discrete_gaussian((n,), torch.tensor(scale, dtype=torch.float64), words, layout=layout)
@@ -343,7 +458,7 @@ def test_early_decisions_are_those_of_the_acceptance(scale):
         assert bool((threshold <= table.never[buckets] * unread).all())
 
 
-def test_discrete_gaussian_draws_each_row_at_its_own_scale():
+def test_discrete_gaussian_draws_each_row_at_its_own_scale(sampler):
     """One scale per row (the release's rows each have their grid): each row's spread is its own."""
     scales = torch.tensor([[1.1 * 2**30], [1.9 * 2**30]], dtype=torch.float64)
     z = exact_noise.discrete_gaussian(
@@ -353,7 +468,7 @@ def test_discrete_gaussian_draws_each_row_at_its_own_scale():
         assert (z[row] / scales[row]).var().item() == pytest.approx(1.0, abs=5 * math.sqrt(2 / 400_000))
 
 
-def test_release_scale_noise_has_the_requested_spread_and_is_not_truncated():
+def test_release_scale_noise_has_the_requested_spread_and_is_not_truncated(sampler):
     """At the release's scale (``s`` in ``[2^30, 2^31)``): unit variance and Gaussian kurtosis in units of ``s``, and
     draws beyond 4.5 sigma at the Gaussian rate (torch's float32 normal stops at 5.77)."""
     std = torch.tensor(1.7, dtype=torch.float64)
