@@ -38,6 +38,7 @@ CSPRNG (``randomness.SecureRandom.words``). The sampler never sees data: it is c
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,6 +178,61 @@ def _blocks(layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tenso
     return torch.cat([lo, -lo - width]), torch.cat([width_bits, width_bits]), torch.cat([lo, -lo - 1])
 
 
+@dataclass(frozen=True)
+class _LayoutConstants:
+    """What :func:`proposal_table` needs of a layout whatever the scale, per block (signed): its first integer, its
+    width minus one, its anchor, the anchor as float64 and squared, ``(far - |a|)(far + |a|)`` for its integer
+    ``far`` farthest from zero (exact products of integers below ``2^37``, one rounding each), and whether it is
+    wider than the first run."""
+
+    start: Tensor
+    mask: Tensor
+    anchor: Tensor
+    near_squared: Tensor
+    spread: Tensor
+    wide: Tensor
+    width: Tensor  # float64
+    #: the per-block fields of a table (:class:`ProposalTable`), the sentinel block appended
+    start_and_sentinel: Tensor
+    mask_and_sentinel: Tensor
+    anchor_and_sentinel: Tensor
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_constants(layout: Layout, bucket_bits: int, device: torch.device) -> _LayoutConstants:
+    """The scale-free part of :func:`proposal_table`, built once per layout and device (OSO's scale changes every
+    step, its layout never); checks the layout."""
+    narrow_bits = layout[0][1]
+    verdict_bits = WORD_BITS - bucket_bits - narrow_bits
+    for (end_bits, run_bits), low in zip(layout, [0, *(2**end for end, _ in layout)], strict=False):
+        # a word's bits: the bucket on top, the position at the bottom, the verdict's top bits between (disjoint, so
+        # independent); a wider block's extra position bits come from the late word's top verdict_bits bits
+        fits = 1 <= verdict_bits and narrow_bits <= run_bits <= narrow_bits + verdict_bits
+        if not (fits and 2**end_bits > low and low % 2**run_bits == 0):
+            raise ValueError(f"layout run ({end_bits}, {run_bits}) is not a run of whole blocks after {low}")
+    start, width_bits, anchor = _blocks(layout, device)
+    if start.numel() + 8 > 2**bucket_bits:
+        raise ValueError(
+            f"{start.numel()} blocks do not fit {2**bucket_bits} buckets: raise bucket_bits or coarsen the layout"
+        )
+    mask = (torch.ones_like(width_bits) << width_bits) - 1
+    near = anchor.to(torch.float64)
+    far = (anchor.abs() + mask).to(torch.float64)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    return _LayoutConstants(
+        start=start,
+        mask=mask,
+        anchor=anchor,
+        near_squared=near * near,
+        spread=(far - near.abs()) * (far + near.abs()),
+        wide=mask != 2**narrow_bits - 1,
+        width=(mask + 1).to(torch.float64),
+        start_and_sentinel=torch.cat([start, zero]),
+        mask_and_sentinel=torch.cat([mask, zero]),
+        anchor_and_sentinel=torch.cat([anchor, zero]),
+    )
+
+
 def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: int = BUCKET_BITS) -> ProposalTable:
     """The proposal and the acceptance factors of :func:`discrete_gaussian` at scale ``s`` (a 0-dim float64 tensor;
     a setting, never data).
@@ -187,36 +243,25 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     ``N`` the proposal uses, so the law of the kept draws does not depend on it.
     """
     device = scale.device
+    constants = _layout_constants(tuple(tuple(run) for run in layout), bucket_bits, device)
     narrow_bits = layout[0][1]
     verdict_bits = WORD_BITS - bucket_bits - narrow_bits
-    for (end_bits, run_bits), low in zip(layout, [0, *(2**end for end, _ in layout)], strict=False):
-        # a word's bits: the bucket on top, the position at the bottom, the verdict's top bits between (disjoint, so
-        # independent); a wider block's extra position bits come from the late word's top verdict_bits bits
-        fits = 1 <= verdict_bits and narrow_bits <= run_bits <= narrow_bits + verdict_bits
-        if not (fits and 2**end_bits > low and low % 2**run_bits == 0):
-            raise ValueError(f"layout run ({end_bits}, {run_bits}) is not a run of whole blocks after {low}")
-    start, width_bits, anchor = _blocks(layout, device)
-    blocks = start.numel()
+    blocks = constants.start.numel()
     buckets = 2**bucket_bits
-    if blocks + 8 > buckets:
-        raise ValueError(f"{blocks} blocks do not fit {buckets} buckets: raise bucket_bits or coarsen the layout")
     inv_two_var = 1.0 / (2.0 * scale.to(torch.float64) * scale.to(torch.float64))
-    mask = (torch.ones_like(width_bits) << width_bits) - 1
-    near = anchor.to(torch.float64)
-    density = torch.exp(-(near * near) * inv_two_var)  # m: the block's largest density
-    envelope = (mask + 1).to(torch.float64) * density
+    density = torch.exp(-constants.near_squared * inv_two_var)  # m: the block's largest density
+    envelope = constants.width * density
     counts = torch.ceil(envelope / envelope.sum() * float(buckets - blocks - 8)).to(torch.int64)
     per_bucket = torch.where(counts > 0, envelope / counts.to(torch.float64), 0.0)  # w m / N
     factor = per_bucket / per_bucket.max()  # K = 1 / max(w m / N): every factor at most 1, the largest exactly 1
     # the early decisions: within a block the acceptance falls from f at the anchor to f exp(-x_far) at the integer
     # farthest from zero; both bounds are widened by 2^-40 relative, far beyond the float64 error of acceptance(), so
     # a word decided early gets the decision acceptance() would give it
-    far = (anchor.abs() + mask).to(torch.float64)
-    lowest = factor * torch.exp(-(far - near.abs()) * (far + near.abs()) * inv_two_var) * (1.0 - 2.0**-40)
+    lowest = factor * torch.exp(-constants.spread * inv_two_var) * (1.0 - 2.0**-40)
     one_word = 2.0**WORD_BITS
     # a block wider than the layout's first is never kept early: its position takes bits beyond the first word. It
     # may be dropped early: the bound at the anchor holds wherever in the block the proposal lies
-    wide = mask != 2**narrow_bits - 1
+    wide = constants.wide
     # the early decisions read only the verdict's top verdict_bits bits: thresholds rounded inwards to that grid
     low_bits = WORD_BITS - verdict_bits
     sure = torch.where(wide, 0, (lowest * one_word).to(torch.int64) >> low_bits)
@@ -233,13 +278,13 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     def with_sentinel(values: Tensor, fill: float | int) -> Tensor:
         return torch.cat([values, torch.full((1,), fill, dtype=values.dtype, device=device)])
 
-    return ProposalTable(
+    return ProposalTable(  # the scale-free fields are shared between tables: a table is never written
         block=block,
-        start=torch.index_select(with_sentinel(start, 0), 0, block),
+        start=torch.index_select(constants.start_and_sentinel, 0, block),
         sure=torch.index_select(with_sentinel(sure, 0), 0, block),
         never=torch.index_select(with_sentinel(never, 0), 0, block),
-        mask=with_sentinel(mask, 0),
-        anchor=with_sentinel(anchor, 0),
+        mask=constants.mask_and_sentinel,
+        anchor=constants.anchor_and_sentinel,
         factor=with_sentinel(factor, 0.0),
         inv_two_var=inv_two_var,
     )
