@@ -17,6 +17,7 @@ count wanted.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from numba import njit
@@ -36,8 +37,7 @@ TIE = 3
 START, SURE, NEVER, BLOCK = 0, 1, 2, 3
 
 
-@njit(cache=True, nogil=True)
-def fill(
+def _fill(
     out: np.ndarray,
     add: bool,
     filled: int,
@@ -115,3 +115,7 @@ def fill(
                 out[filled] = value
             filled += 1
     return DONE, filled, used, fresh_used
+
+
+#: :func:`_fill` compiled (cached on disk after the first process compiles it).
+fill: Callable[..., tuple[int, int, int, int]] = njit(cache=True, nogil=True)(_fill)
