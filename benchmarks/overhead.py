@@ -376,6 +376,9 @@ class _Floor(L.Callback):
         self.hooks = per_sample.attach(pl_module, "book_keeping", "mean")
         self.randomness, self.step = RunRandomness(0), 0
 
+    def on_fit_start(self, trainer, pl_module):
+        exact_noise.prepare(pl_module.device)  # as the DP callbacks do: the CPU sampler's loop loaded before training
+
     def on_train_start(self, trainer, pl_module):
         self.params = [p for group in trainer.optimizers[0].param_groups for p in group["params"] if p.requires_grad]
         self.size = sum(p.numel() for p in self.params)

@@ -119,3 +119,13 @@ def _fill(
 
 #: :func:`_fill` compiled (cached on disk after the first process compiles it).
 fill: Callable[..., tuple[int, int, int, int]] = njit(cache=True, nogil=True)(_fill)
+
+
+def warm_up() -> None:
+    """Loads the compiled loop for both outputs the sampler writes (int64 draws, float64 grid indices), compiling it
+    on the first use ever, without drawing anything (no words, no draws wanted)."""
+    words = np.empty(0, dtype=np.int64)
+    table = (np.empty((0, 4), dtype=np.int64), words, words, np.empty(0, dtype=np.float64), 1.0, 62, 14, 26)
+    pending = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64))
+    for out, add in ((np.empty(0, dtype=np.int64), False), (np.empty(0, dtype=np.float64), True)):
+        fill(out, add, 0, 0, words, 0, words, 0, *table, *pending)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -517,3 +519,22 @@ def test_a_layout_whose_positions_overlap_the_bucket_bits_or_its_runs_is_refused
     run must be whole blocks after the last: refused with the run named."""
     with pytest.raises(ValueError, match=r"layout run \("):
         exact_noise.proposal_table(torch.tensor(2.0**30, dtype=torch.float64), layout)
+
+
+def test_prepare_loads_the_compiled_loop_for_both_outputs_and_draws_nothing():
+    """``exact_noise.prepare`` (called by the DP callbacks when ``fit`` starts) leaves the CPU loop ready for the int64
+    draws and the float64 grid indices, so that no private step compiles or loads it; it takes no randomness (it has
+    no word source). Checked in a fresh interpreter, where nothing has loaded the loop yet."""
+    code = """
+import torch
+from lightning_oso import exact_noise, exact_noise_kernel
+assert len(exact_noise_kernel.fill.signatures) == 0
+exact_noise.prepare("cpu")
+loaded = len(exact_noise_kernel.fill.signatures)
+scale, words = torch.tensor(1.5 * 2**30, dtype=torch.float64), exact_noise.torch_words(None)
+exact_noise.discrete_gaussian((10,), scale, words)
+exact_noise.discrete_gaussian((10,), scale, words, add_to=torch.zeros(10, dtype=torch.float64))
+print(loaded, len(exact_noise_kernel.fill.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "2"]  # both loaded by prepare, none added by the draws

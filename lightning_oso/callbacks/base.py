@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_oso import _compat
+from lightning_oso import _compat, exact_noise
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
 from lightning_oso.callbacks import _planner, _reporting
 from lightning_oso.callbacks._budget import BudgetStop, StopReason
@@ -256,6 +256,7 @@ class DPCallback(Callback, abc.ABC):
         )
         self._hand_plan(plan)
         self._training.attach_hooks()
+        exact_noise.prepare(trainer.strategy.root_device)  # the CPU sampler's compiled loop, before any step
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
