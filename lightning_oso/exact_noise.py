@@ -431,7 +431,7 @@ def _draw(
 
 def prepare(device: torch.device | str) -> None:
     """Loads the CPU sampler's compiled loop (:mod:`lightning_oso.exact_noise_kernel`) before training, so that the
-    first private step does not pay for it: numba's runtime and the loop's machine code, about 0.6 s and 110 MB of
+    first private step does not pay for it: numba's runtime and the loop's machine code, about a second and 110 MB of
     a process's resident memory once (and a few seconds on the first use ever, which compiles the loop and caches it
     on disk). Draws nothing; does nothing for an accelerator."""
     if torch.device(device).type == "cpu" and _COMPILED_ON_CPU:
