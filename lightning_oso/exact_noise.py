@@ -331,7 +331,6 @@ def discrete_gaussian(
     layout: Layout = RELEASE_LAYOUT,
     bucket_bits: int = BUCKET_BITS,
     add_to: Tensor | None = None,
-    grid: Tensor | None = None,
 ) -> Tensor:
     """Draws from the discrete Gaussian ``N_Z(0, s^2)``, ``P(k)`` proportional to ``exp(-k^2 / (2 s^2))``, as int64.
 
@@ -355,26 +354,15 @@ def discrete_gaussian(
         add_to: a contiguous tensor of ``shape`` (float64: exact, the draws being below ``2^36``) to which the draws
             are added in place, chunk by chunk as they are made, and which is returned: no tensor of draws is made
             (one scale only; the release's grid index).
-        grid: with ``add_to``, the exponent ``e`` (an int64 0-dim tensor) of a grid ``2^e``: ``add_to`` then holds
-            float64 sums, each released whole, ``(clamp(round(x 2^-e)) + z) 2^e`` (:func:`release_on_grid_`). On a
-            CPU each coordinate is released in the loop where its draw is made, one pass over the sums; elsewhere
-            by the grid's passes around the draws. The results are the same, bit for bit.
     """
     count = math.prod(shape)
     scale = scale.to(torch.float64)
     if add_to is not None:
         if scale.numel() != 1 or tuple(add_to.shape) != tuple(shape) or not add_to.is_contiguous():
             raise ValueError("discrete_gaussian(add_to=...) takes one scale and a contiguous tensor of the shape drawn")
-        table = proposal_table(scale.reshape(()), layout, bucket_bits)
-        if grid is None:
-            _draw(count, table, words, layout, bucket_bits, add_to.view(-1))
-        elif add_to.device.type == "cpu" and _COMPILED_ON_CPU:
-            # the grid's exponent is a setting (from the noise's std), read from a CPU tensor's memory
-            exponent = int(grid.reshape(-1).numpy()[0])
-            _draw_compiled(count, table, words, layout, bucket_bits, add_to.view(-1), True, exponent)
-        else:
-            _draw(count, table, words, layout, bucket_bits, _to_grid_index_(add_to, grid).view(-1))
-            add_to.mul_(power_of_two(grid, add_to.device))  # |index + noise| < 2^52 + 2^36: exact in float64
+        _draw(
+            count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1)
+        )
         return add_to
     if scale.numel() == 1:
         return _draw(count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(
@@ -421,7 +409,7 @@ def _draw(
     device = table.start.device
     out = torch.empty(count, dtype=torch.int64, device=device) if add_to is None else add_to
     if device.type == "cpu" and _COMPILED_ON_CPU:
-        return _draw_compiled(count, table, words, layout, bucket_bits, out, add_to is not None)
+        return _draw_compiled(count, table, words, layout, bucket_bits, out, add=add_to is not None)
     chunk = _CHUNK if device.type == "cpu" else _ACCELERATOR_CHUNK
     done = 0
     while done < count:
@@ -453,19 +441,10 @@ def prepare(device: torch.device | str) -> None:
 
 
 def _draw_compiled(
-    count: int,
-    table: ProposalTable,
-    words: Words,
-    layout: Layout,
-    bucket_bits: int,
-    out: Tensor,
-    add: bool,
-    grid_exponent: int | None = None,
+    count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int, out: Tensor, add: bool
 ) -> Tensor:
     """:func:`_draw` on a CPU: the proposals are made and decided one by one in a compiled loop
-    (:mod:`lightning_oso.exact_noise_kernel`), the first ``count`` kept ones written (or added) to ``out`` in order;
-    with a ``grid_exponent`` ``e``, each coordinate of the float64 sums in ``out`` is released whole where its draw
-    is made, ``(clamp(round(out 2^-e)) + z) 2^e`` (:func:`release_on_grid_`'s passes, fused).
+    (:mod:`lightning_oso.exact_noise_kernel`), the first ``count`` kept ones written (or added) to ``out`` in order.
     Each kept proposal is an independent draw of the law whichever were dropped, and the loop stops on the count of
     kept ones alone, so the draws are independent and of the law. The words come in chunks of :data:`_CHUNK` (and
     open trials' fresh words in chunks of :data:`_FRESH_SHARE` of that), drawn as the loop runs out of them; words
@@ -479,14 +458,9 @@ def _draw_compiled(
     word, used, fresh, fresh_used, filled = empty, 0, empty, 0, 0
     pending_value = torch.zeros(1, dtype=torch.int64).numpy()
     pending_threshold = torch.zeros(1, dtype=torch.float64).numpy()
-    if grid_exponent is not None:
-        mode, down, up = kernel.RELEASE, math.ldexp(1.0, -grid_exponent), math.ldexp(1.0, grid_exponent)
-    else:
-        mode, down, up = (kernel.ADD if add else kernel.ASSIGN), 1.0, 1.0
-    limits = (mode, down, up, float(MAX_GRID_INDEX))
     while True:
         status, filled, used, fresh_used = kernel.fill(
-            target, *limits, filled, count, word, used, fresh, fresh_used, *fields, pending_value, pending_threshold
+            target, add, filled, count, word, used, fresh, fresh_used, *fields, pending_value, pending_threshold
         )
         if status == kernel.DONE:
             return out
@@ -498,11 +472,7 @@ def _draw_compiled(
             threshold = float(pending_threshold[0])
             fraction = torch.tensor([threshold - math.floor(threshold)], dtype=torch.float64)
             if bernoulli(fraction, words).numpy()[0]:  # the noise's own bits, on the CPU
-                value = int(pending_value[0])
-                if mode == kernel.RELEASE:
-                    target[filled] = kernel.released(float(target[filled]), value, down, up, float(MAX_GRID_INDEX))
-                else:
-                    target[filled] = target[filled] + value if mode == kernel.ADD else value
+                target[filled] = target[filled] + pending_value[0] if add else pending_value[0]
                 filled += 1
 
 
@@ -617,13 +587,13 @@ def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
     """:func:`release_on_grid` in place on ``values``, a float64 tensor the caller owns (the release's own copy of
     the sums: no model-sized temporary beyond the noise's)."""
     exponent = grid_exponent(std)
-    scale = std.to(device=values.device, dtype=torch.float64) * power_of_two(-exponent, values.device)
-    if scale.numel() == 1 and values.is_contiguous():  # one grid: each coordinate released as its integer is drawn
-        with record_function("lightning_oso.noise"):
-            return discrete_gaussian(values.shape, scale.reshape(()), words, add_to=values, grid=exponent.reshape(()))
     index = _to_grid_index_(values, exponent)
+    scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
     with record_function("lightning_oso.noise"):
-        index.add_(discrete_gaussian(index.shape, scale, words))
+        if scale.numel() == 1 and index.is_contiguous():  # one grid: the integers added as they are drawn
+            discrete_gaussian(index.shape, scale.reshape(()), words, add_to=index)
+        else:
+            index.add_(discrete_gaussian(index.shape, scale, words))
     return index.mul_(power_of_two(exponent, index.device))  # |index + noise| < 2^52 + 2^36: exact in float64
 
 

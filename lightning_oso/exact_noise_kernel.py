@@ -32,15 +32,6 @@ OUT_OF_FRESH = 2
 TIE = 3
 
 
-#: What the loop does with a kept draw ``z`` at its position ``i``: ``out[i] = z``.
-ASSIGN = 0
-#: ``out[i] += z`` (``out`` float64, the grid index already in it).
-ADD = 1
-#: ``out[i] = (clamp(round(out[i] down)) + z) up``: the whole release of ``exact_noise.release_on_grid_`` for one
-#: coordinate of float64 sums, ``down = 2^-e`` and ``up = 2^e`` for the grid ``2^e`` (every operation exact but the
-#: rounding to the grid, half to even as ``torch.round``; the clamp to ``exact_noise.MAX_GRID_INDEX`` a contraction).
-RELEASE = 2
-
 #: Columns of the packed per-bucket table the loop reads (one row of four int64 per bucket: one cache line holds two
 #: buckets' entries, where four separate arrays would cost four reads from four places).
 START, SURE, NEVER, BLOCK = 0, 1, 2, 3
@@ -48,10 +39,7 @@ START, SURE, NEVER, BLOCK = 0, 1, 2, 3
 
 def _fill(
     out: np.ndarray,
-    mode: int,
-    down: float,
-    up: float,
-    max_index: float,
+    add: bool,
     filled: int,
     wanted: int,
     word: np.ndarray,
@@ -69,8 +57,7 @@ def _fill(
     pending_value: np.ndarray,
     pending_threshold: np.ndarray,
 ) -> tuple[int, int, int, int]:
-    """Draws into ``out[filled:wanted]`` (as ``mode`` says: :data:`ASSIGN`, :data:`ADD` or :data:`RELEASE`, with
-    ``down``, ``up`` and ``max_index``) from ``word[used:]`` and
+    """Draws into ``out[filled:wanted]`` (assigned, or added where ``add``) from ``word[used:]`` and
     ``fresh[fresh_used:]``; returns ``(status, filled, used, fresh_used)``. ``bucket_table`` holds the
     :class:`exact_noise.ProposalTable`'s ``start``, ``sure``, ``never`` and ``block`` as the columns :data:`START`,
     :data:`SURE`, :data:`NEVER`, :data:`BLOCK`; ``mask``, ``anchor`` and ``factor`` are its per-block fields.
@@ -122,29 +109,13 @@ def _fill(
                 return TIE, filled, used + 1, fresh_used
         used += 1
         if kept:
-            if mode == ASSIGN:
-                out[filled] = value
-            elif mode == ADD:
+            if add:
                 out[filled] += value
             else:
-                out[filled] = released(out[filled], value, down, up, max_index)
+                out[filled] = value
             filled += 1
     return DONE, filled, used, fresh_used
 
-
-def _released(total: float, value: int, down: float, up: float, max_index: float) -> float:
-    """One coordinate of :data:`RELEASE`: the same float64 operations as ``exact_noise.release_on_grid_``'s passes
-    (a NaN stays NaN, as through ``torch.clamp``)."""
-    index = np.rint(total * down)
-    if index > max_index:
-        index = max_index
-    elif index < -max_index:
-        index = -max_index
-    return (index + value) * up
-
-
-#: :func:`_released` compiled, for the loop and for the caller's tie (float64 in, float64 out).
-released = njit(cache=True, nogil=True)(_released)
 
 #: :func:`_fill` compiled (cached on disk after the first process compiles it).
 fill: Callable[..., tuple[int, int, int, int]] = njit(cache=True, nogil=True)(_fill)
@@ -156,6 +127,5 @@ def warm_up() -> None:
     words = np.empty(0, dtype=np.int64)
     table = (np.empty((0, 4), dtype=np.int64), words, words, np.empty(0, dtype=np.float64), 1.0, 62, 14, 26)
     pending = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64))
-    for out, mode in ((np.empty(0, dtype=np.int64), ASSIGN), (np.empty(0, dtype=np.float64), RELEASE)):
-        fill(out, mode, 1.0, 1.0, 1.0, 0, 0, words, 0, words, 0, *table, *pending)
-    released(0.0, 0, 1.0, 1.0, 1.0)
+    for out, add in ((np.empty(0, dtype=np.int64), False), (np.empty(0, dtype=np.float64), True)):
+        fill(out, add, 0, 0, words, 0, words, 0, *table, *pending)

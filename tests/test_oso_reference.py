@@ -29,20 +29,14 @@ class NoiseTap:
         self.mode, self.calls = mode, []
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, shape, scale, words, *args, add_to=None, grid=None, **kwargs):
+    def __call__(self, shape, scale, words, *args, add_to=None, **kwargs):
         scale = torch.as_tensor(scale, dtype=torch.float64).expand(shape).clone()
         if self.mode == "off":
             ints = torch.zeros(shape, dtype=torch.int64)
         else:
             ints = torch.round(torch.randn(shape, generator=self.generator, dtype=torch.float64) * scale).long()
         self.calls.append((scale, ints))
-        if add_to is None:
-            return ints
-        if grid is None:
-            return add_to.add_(ints)  # the sampler's contract for add_to
-        # and for a grid: the sums released whole, (round(x 2^-e) + z) 2^e
-        index = exact_noise.grid_index(add_to, grid).add_(ints)
-        return add_to.copy_(index.mul_(exact_noise.power_of_two(grid, add_to.device)))
+        return ints if add_to is None else add_to.add_(ints)  # the sampler's contract for add_to
 
 
 class Trace(L.Callback):
