@@ -525,10 +525,24 @@ def _proposals(
 
 
 # ----------------------------------------------------------------------------------------------------- the grid
-def power_of_two(exponent: Tensor, device: torch.device) -> Tensor:
-    """``2^exponent`` in float64, exact (``pow`` of 2 to an integer is exact for exponents within float64's range)."""
-    two = torch.tensor(2.0, dtype=torch.float64, device=device)
-    return torch.pow(two, exponent.to(device=device, dtype=torch.float64))
+def power_of_two(exponent: Tensor, device: torch.device | str) -> Tensor:
+    """``2^exponent`` in float64, exact on every device: built from its bits, never by ``pow``.
+
+    ``torch.pow(2.0, e)`` is exact on the CPU but not on CUDA (``2^-31`` came out one ulp low there), which put the
+    released values one ulp off the grid and made the grid index of a sum the rounding of a product with an inexact
+    factor. The bits of ``2^a``, ``-1022 <= a <= 1023``, are ``(a + 1023) << 52``; an exponent outside that range is
+    the product of two such powers, exact down to the smallest subnormal (``2^-1074``), 0 below it and infinity above
+    ``2^1023``, as a power of two rounds.
+    """
+    e = exponent.to(device=device, dtype=torch.int64)
+    first = e.clamp(-1022, 1023)
+    second = (e - first).clamp(-1022, 1023)
+    return _bits_of_power(first) * _bits_of_power(second)
+
+
+def _bits_of_power(e: Tensor) -> Tensor:
+    """``2^e`` for integer ``e`` in ``[-1022, 1023]``, from its float64 bit pattern."""
+    return ((e + 1023) << 52).view(torch.float64)
 
 
 def grid_exponent(std: Tensor) -> Tensor:

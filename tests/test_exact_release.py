@@ -156,6 +156,17 @@ def test_neighbouring_releases_differ_by_their_grid_indices_only():
         assert (indices[1] - indices[0]).norm().item() * gamma <= 0.7 + gamma * math.sqrt(d)
 
 
+def test_powers_of_two_are_exact_over_float64s_whole_range():
+    """The grid's factor ``2^e`` is exact for every exponent, as ``math.ldexp`` gives it: the normal range, the
+    subnormals down to ``2^-1074``, 0 below and infinity above; from integer or float exponent tensors, any shape.
+    (``torch.pow(2.0, e)``, which it replaced, was one ulp low on CUDA, putting released values off the grid.)"""
+    exponents = torch.arange(-1100, 1030)
+    expected = torch.tensor([math.ldexp(1.0, int(e)) if e < 1024 else math.inf for e in exponents], dtype=torch.float64)
+    assert torch.equal(exact_noise.power_of_two(exponents, torch.device("cpu")), expected)
+    assert torch.equal(exact_noise.power_of_two(exponents.double().reshape(2, -1), "cpu"), expected.reshape(2, -1))
+    assert float(exact_noise.power_of_two(torch.tensor(-31), "cpu")) == 2.0**-31
+
+
 def test_grid_noise_keeps_the_accountants_multiplier():
     """The noise drawn covers the grid's rounding: ``std' / (Delta + gamma sqrt(d)) >= std / Delta``."""
     for multiplier, d in [(0.5, 10), (2.0, 10**6), (30.0, 10**9)]:
