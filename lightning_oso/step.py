@@ -317,10 +317,12 @@ def release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, wi
 
 def _release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, wiring: ReleaseWiring) -> SanitisedStep:
     add_noise = wiring.add_noise
-    stds = rule.noise_stds()
+    totals = total_over_processes(clipped, wiring.sum_across_processes)
+    # every query of the step on the sums' device, the deferred rows' noise too: a generator draws on its own device
+    # only (a rule built on the CPU may release a GPU's sums)
+    stds = rule.noise_stds().to(totals.vectors[0].device)
     multipliers = rule.query_multipliers()
     vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
-    totals = total_over_processes(clipped, wiring.sum_across_processes)
     released_rows = [s[:vectors] for s in totals.vectors]
     deferred_rows = [s[vectors:] for s in totals.vectors]  # views: never noised as vectors, never returned
 
