@@ -131,7 +131,11 @@ def check_consistency(
     if half:
         with _isolated(strategy, module):
             _check_loss_dtype(strategy, module, full)
-    with _isolated(strategy, module), _float32_check(strategy, module) if half else contextlib.nullcontext():
+    with (
+        _isolated(strategy, module),
+        _float32_check(strategy, module) if half else contextlib.nullcontext(),
+        _ieee_float32_products(),
+    ):
         try:
             first = _run(strategy, module, params, full, size, native=not half)
             if first.n != size:
@@ -311,6 +315,27 @@ def _float32_check(strategy: Any, module: nn.Module) -> Iterator[None]:
         for t, data in saved:
             t.grad = None  # a float32 gradient of the checks (``_isolated`` restores the run's own)
             t.data = data
+
+
+@contextlib.contextmanager
+def _ieee_float32_products() -> Iterator[None]:
+    """The checks' passes with IEEE float32 matrix products and convolutions on CUDA, TF32 off, whatever the run
+    chose (``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``, on by default for
+    convolutions); the run's settings are restored afterwards.
+
+    Why: TF32 keeps 10 bits of each factor's mantissa, so autograd's weight gradient and the per-sample gradients'
+    sum, formed by different products, can differ by more than the additivity check's tolerance (seen on CUDA: a
+    ``nn.Linear`` refused as a tied weight). What the checks look for is structure, which TF32 does not change; the
+    private step's norm bounds cover TF32's rounding on their own (``per_sample.norm_bounds``).
+    """
+    matmul, convolution = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = convolution
 
 
 def _refuse_fullgraph(err: Exception) -> None:

@@ -423,3 +423,33 @@ def test_the_checks_leave_the_run_unchanged(mode, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(checked.first, unchecked.first))
     assert checked.batch_sizes == unchecked.batch_sizes
     assert all(torch.equal(a, b) for a, b in zip(checked.parameters(), unchecked.parameters()))
+
+
+class PrecisionRecording(Recording):
+    """Also keeps the float32 product settings each call of training_step ran under."""
+
+    def training_step(self, batch, batch_idx):
+        self.settings = getattr(self, "settings", [])
+        self.settings.append((self.in_loop, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_checks_run_with_ieee_float32_products_and_give_the_runs_settings_back():
+    """A run that allows TF32 (``set_float32_matmul_precision("high")``, cuDNN's TF32 on): the checks' passes run
+    with IEEE float32 products (TF32's 10-bit factors moved autograd's gradient away from the per-sample sum by more
+    than the additivity tolerance on CUDA, refusing a plain ``nn.Linear``), and the training steps run with the
+    run's own settings, restored after the checks."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        model = PrecisionRecording()
+        make_trainer([_dp()], max_epochs=1).fit(model, DataLoader(toy_data(), batch_size=20))
+        checked = {(p, c) for in_loop, p, c in model.settings if not in_loop}
+        trained = {(p, c) for in_loop, p, c in model.settings if in_loop}
+        assert checked == {("highest", False)}
+        assert trained == {("high", True)}
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", True)
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
