@@ -14,9 +14,19 @@ import pytest
 import torch
 from helpers import ToyModel, make_trainer, toy_loader
 from scipy import stats
+from test_exact_release import (
+    PRIVATE_FEATURES,
+    _Canary,
+    _canary_data,
+    _chi_square_against_the_law,
+    _lattice_flags,
+    _within_tradeoff,
+)
 from test_precision import MODES, PARAM_DTYPE, Tokens, _tokens
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
 
-from lightning_oso import OSODP
+from lightning_oso import OSODP, exact_noise
 from lightning_oso.clipping import OSOClipping
 from lightning_oso.per_sample import TensorSource
 from lightning_oso.randomness import keyed_generator
@@ -37,19 +47,20 @@ def _fit(model, precision, mode, data=None, seed=0, **trainer_kwargs):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("precision", CUDA_PRECISIONS)
-def test_every_cuda_precision_trains_with_float32_sums(precision, mode):
-    """Every planned step is taken on the GPU; the parameters keep the precision's dtype and move; the released
-    queries OSO keeps are float32 on the GPU; the spent epsilon is within the target."""
+def test_every_cuda_precision_trains_with_float64_releases(precision, mode):
+    """Every planned step is taken; the parameters keep the precision's dtype and move; the released
+    queries OSO keeps are float64 on the GPU; the spent epsilon is within the target."""
     model = Tokens()
     before = [p.detach().clone() for p in model.parameters()]
     trainer, dp = _fit(model, precision, mode)
     assert trainer.global_step == len(model.batch_sizes) == 6
     expected = PARAM_DTYPE.get(precision, torch.float32)
-    for p, p0 in zip(model.parameters(), before):
-        assert p.device.type == "cuda" and p.dtype == expected
+    for p, p0 in zip(model.parameters(), before):  # Lightning moves the module back to the CPU when fit ends
+        assert p.dtype == expected
         assert bool(torch.isfinite(p).all()) and not torch.equal(p.cpu(), p0.to(p.dtype))
+    # OSO keeps the last released queries: the exact release is float64 on the device, whatever the precision
     released = [*dp.rule.prev_gradient, *dp.rule.prev_direction]
-    assert {(t.device.type, t.dtype) for t in released} == {("cuda", torch.float32)}
+    assert {(t.device.type, t.dtype) for t in released} == {("cuda", torch.float64)}
     assert 0 < dp.epsilon <= 3.0
 
 
@@ -136,5 +147,146 @@ def test_the_deferred_direction_query_on_cuda_has_the_vector_mechanisms_law():
         generator = keyed_generator(np.random.SeedSequence(seed), "cuda")
         released = sanitise(TensorSource([samples[0].cuda()]), rule, b, add_noise=gaussian_noise(generator))
         draws.append(float(released.deferred[0].inner(v_cuda)))
-    assert stats.kstest(draws, "norm", args=(mean, std)).pvalue > 1e-3
-    assert stats.kstest(draws, "norm", args=(mean, 1.5 * std)).pvalue < 1e-6
+    assert stats.kstest(draws, stats.norm(mean, std).cdf).pvalue > 1e-3
+    assert stats.kstest(draws, stats.norm(mean, 1.5 * std).cdf).pvalue < 1e-6
+
+
+# ---------------------------------------------------------------------------------------- the exact release on CUDA
+# The accelerators' sampler is the vectorised passes, in chunks of 2^20 draws, fed by the CUDA generator's words; the
+# grid's float64 rounding runs on the GPU. Each check is a function of the device, so that its logic can be run on the
+# CPU too; the tests call it on CUDA.
+class _ReplayedWords:
+    """The same words on every device: 62-bit words from a numpy stream, moved to the device asked for."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        return torch.from_numpy(self.rng.integers(0, 2**exact_noise.WORD_BITS, count, dtype=np.int64)).to(device)
+
+
+def _check_the_sampler_law(device: str, scale: float, layout, bin_width: int, spares: str, monkeypatch) -> None:
+    if spares == "too few":
+        monkeypatch.setattr(exact_noise, "_OVERDRAW", 1.0)
+        monkeypatch.setattr(exact_noise, "_ACCELERATOR_CHUNK", 4096)  # ~120 dropped per chunk against 64 spares
+        monkeypatch.setattr(exact_noise, "_CHUNK", 4096)
+    monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", False)
+    n = 2_000_000
+    words = exact_noise.torch_words(keyed_generator(np.random.SeedSequence(5), device))
+    z = exact_noise.discrete_gaussian((n,), torch.tensor(scale, dtype=torch.float64, device=device), words, layout)
+    assert z.device.type == torch.device(device).type
+    z = z.cpu()
+    chi2, dof = _chi_square_against_the_law(z, scale, bin_width, reach=int(6 * scale))
+    assert chi2 < dof + 6 * math.sqrt(2 * dof)
+    ks = torch.arange(-2000, 2001, dtype=torch.float64)
+    law = torch.exp(-(ks**2) / (2 * scale**2))
+    law /= law.sum()
+    tail = law[ks.abs() > 3 * scale].sum().item()
+    assert abs((z.abs() > 3 * scale).double().mean().item() - tail) < 5 * math.sqrt(tail / n)
+
+
+@pytest.mark.parametrize(
+    ("scale", "layout", "bin_width"),
+    [(3.0, ((4, 0), (7, 2)), 1), (37.3, ((9, 2), (12, 6)), 4)],
+)
+@pytest.mark.parametrize("spares", ["enough", "too few"])
+def test_the_cuda_sampler_has_the_exact_law_tails_included(scale, layout, bin_width, spares, monkeypatch):
+    """The discrete Gaussian drawn on the GPU from the CUDA generator's words: every bin's frequency, the tails beyond
+    3 sigma included, matches ``exp(-k^2 / 2 s^2)`` normalised (chi-square over 2M draws); with too few spare
+    proposals per chunk, the positions a chunk could not fill are drawn again."""
+    _check_the_sampler_law("cuda", scale, layout, bin_width, spares, monkeypatch)
+
+
+def _check_release_scale_noise(device: str, monkeypatch) -> None:
+    monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", False)
+    std = torch.tensor(1.7, dtype=torch.float64, device=device)
+    scale = std * exact_noise.power_of_two(-exact_noise.grid_exponent(std), std.device)
+    n = 4_000_000
+    words = exact_noise.torch_words(keyed_generator(np.random.SeedSequence(9), device))
+    x = exact_noise.discrete_gaussian((n,), scale, words).cpu().double() / float(scale)
+    assert x.var().item() == pytest.approx(1.0, abs=5 * math.sqrt(2 / n))
+    assert (x**4).mean().item() / x.var().item() ** 2 == pytest.approx(3.0, abs=0.05)
+    beyond = (x.abs() > 4.5).double().sum().item()
+    expected = 2 * stats.norm.sf(4.5) * n
+    assert abs(beyond - expected) < 5 * math.sqrt(expected) + 1
+
+
+def test_release_scale_noise_on_cuda_has_unit_spread_and_untruncated_tails(monkeypatch):
+    """At the release's scale (``s`` in ``[2^30, 2^31)``), 4M draws on the GPU in four chunks: unit variance in units
+    of ``s``, Gaussian kurtosis, and draws beyond 4.5 sigma at the Gaussian rate (a float32 normal stops at 5.77)."""
+    _check_release_scale_noise("cuda", monkeypatch)
+
+
+def _attackers_values() -> torch.Tensor:
+    """Float64 sums an attacker would craft: signed zeros, subnormals, the largest floats, infinities, NaN, values
+    exactly half-way between grid points of ``std = 0.37``'s grid and one ulp either side, and ordinary values."""
+    gamma = float(exact_noise.power_of_two(exact_noise.grid_exponent(torch.tensor(0.37)), torch.device("cpu")))
+    ties = torch.tensor([k + 0.5 for k in range(-4, 4)], dtype=torch.float64) * gamma
+    special = torch.tensor(
+        [0.0, -0.0, 5e-324, -5e-324, 2.2e-308, 1.7e308, -1.7e308, math.inf, -math.inf, math.nan, 1e-30, 3e30],
+        dtype=torch.float64,
+    )
+    ordinary = torch.randn(300_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4.0
+    return torch.cat([special, ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1), ordinary])
+
+
+def _check_release_matches_the_cpu(device: str, monkeypatch) -> None:
+    monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", False)
+    monkeypatch.setattr(exact_noise, "_CHUNK", exact_noise._ACCELERATOR_CHUNK)  # the same chunks: the same calls
+    values = _attackers_values()
+    std = torch.tensor(0.37, dtype=torch.float64)
+    on_cpu = exact_noise.release_on_grid(values, std, _ReplayedWords(17))
+    on_device = exact_noise.release_on_grid(values.to(device), std.to(device), _ReplayedWords(17))
+    assert on_device.device.type == torch.device(device).type
+    on_device = on_device.cpu()
+    nan = torch.isnan(on_cpu)  # NaN stays NaN (its payload is the device's own)
+    assert torch.equal(torch.isnan(on_device), nan)
+    # the rest bit for bit, zero's sign included
+    assert torch.equal(on_device[~nan].view(torch.int64), on_cpu[~nan].view(torch.int64))
+    finite = torch.isfinite(on_cpu)
+    index = on_cpu[finite] / exact_noise.power_of_two(exact_noise.grid_exponent(std), torch.device("cpu"))
+    assert torch.equal(index, index.round())  # on the grid, whatever the low-order bits
+
+
+def test_the_cuda_release_is_the_cpu_release_bit_for_bit(monkeypatch):
+    """The same words on the GPU and the CPU give the same released float64 values, bit for bit, on an attacker's
+    sums (signed zeros, subnormals, the largest floats, infinities, NaN, grid ties and their neighbours): the GPU's
+    float64 rounding to the grid and its vectorised sampler are the mechanism the CPU's tests hold to the law."""
+    _check_release_matches_the_cpu("cuda", monkeypatch)
+
+
+class _Float32LossCanary(_Canary):
+    """The canary's model with its loss formed in float32 (a bfloat16 mean loss is refused: ``loss_scale``)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).float(), y)
+
+
+def _check_the_lattice_attack(device: str, precision: str, tmp_path) -> None:
+    share = torch.tensor(0.5 / math.sqrt(2 * PRIVATE_FEATURES))
+    flags: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    multiplier = 0.0
+    for seed in range(6):
+        for world in (True, False):
+            data = _canary_data(world, seed)
+            model = _Float32LossCanary(data.tensors[0].shape[1])
+            dp = OSODP(noise_multiplier=2.0, target_epsilon=50.0, target_delta=1e-5, initial_clip=1.0, seed=seed)
+            accelerator = "gpu" if device == "cuda" else "cpu"
+            trainer = make_trainer([dp], max_steps=1, max_epochs=None, accelerator=accelerator, precision=precision)
+            trainer.fit(model, DataLoader(data, batch_size=len(data)))
+            batch = dp._training.expected_batch_size
+            weights = -model.net.weight.detach().cpu()[:, 10:].to(torch.float64) * batch  # w1 = -lr * released / B
+            flags[world].append(_lattice_flags(weights.reshape(-1), share))
+            multiplier = float(dp.rule.gradient_noise_multiplier)
+    hits, misses = torch.cat(flags[True]).double(), torch.cat(flags[False]).double()
+    tpr, fpr = hits.mean().item(), misses.mean().item()
+    assert _within_tradeoff(tpr, fpr, float(share) / multiplier, trials=hits.numel()), (tpr, fpr)
+
+
+@pytest.mark.parametrize("precision", CUDA_PRECISIONS)
+def test_lattice_attack_on_cuda_training_is_within_the_gaussian_tradeoff(precision, tmp_path):
+    """The canary's share on each of its 200,000 private weights, read from the weights after one full-batch OSO step
+    on the GPU in each precision, pooled over 6 runs per world: the attacker who flags small outputs on the lattice
+    of the share's float32 ulp does no better than the Gaussian trade-off allows."""
+    _check_the_lattice_attack("cuda", precision, tmp_path)
