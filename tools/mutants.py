@@ -350,6 +350,22 @@ MUTANTS = (
         ("tests/test_search.py::test_random_stopping_run_budget_meets_liu_and_talwars_closed_form",),
         "random stopping's per-run delta twice what Theorem 3.4 allows",
     ),
+    Mutant(
+        "grid_power_of_two_without_subnormals",
+        "lightning_oso/exact_noise.py",
+        "second = (e - first).clamp(-1022, 1023)",
+        "second = (e - first).clamp(0, 1023)",
+        ("tests/test_exact_release.py::test_powers_of_two_are_exact_over_float64s_whole_range",),
+        "powers of two below 2^-1022 come out as 2^-1022: a grid finer than the normal range would be wrong",
+    ),
+    Mutant(
+        "checks_under_the_runs_tf32",
+        "lightning_oso/checks.py",
+        "        _ieee_float32_products(),\n",
+        "        contextlib.nullcontext(),\n",
+        ("tests/test_checks.py::test_the_checks_run_with_ieee_float32_products_and_give_the_runs_settings_back",),
+        "the consistency checks in the run's TF32 products: a plain layer refused as tied on CUDA",
+    ),
 )
 
 
