@@ -19,16 +19,27 @@ and reads the time of the named regions, per step, averaged over the steps after
 The regions are the library's own ``torch.profiler.record_function`` labels, so the same profile can be read in
 TensorBoard's profiler plug-in. Writes ``<out>.json`` and ``<out>.md`` (default
 ``benchmarks/results/step_profile_<device>``).
+
+On a GPU (``--device cuda``, ``--precision`` as in ``Trainer``) the host's time in each region is what the table
+gives, as on the CPU: the kernels run asynchronously, so a region's host time is its launches plus any wait for the
+device. Each row also gives the device's kernel time per step (``device ms``) and the host synchronisations per step
+(``syncs``: the reads of a device value that stall the launch queue, counted with ``torch.cuda.set_sync_debug_mode``
+in a second short run), with the source lines that cause most of them. A step far longer than its kernel time is
+bound by launches and synchronisations, not by arithmetic.
+
+    python benchmarks/step_profile.py --device cuda --precision bf16-mixed --models mlp transformer mnist_cnn gpt2
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,34 +69,75 @@ class _Labelled(_Module):
 
 
 class _Profile(L.Callback):
-    """``torch.profiler`` over the steps after the warm-up."""
+    """``torch.profiler`` over the steps after the warm-up (the device's kernels too on CUDA)."""
 
-    def __init__(self) -> None:
-        self.step, self.profiler = 0, None
+    def __init__(self, device: str) -> None:
+        self.step, self.profiler, self.device = 0, None, device
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step += 1
         if self.step == WARMUP + 1:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.startswith("cuda"):
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
 
     def on_train_end(self, trainer, pl_module):
         if self.profiler is not None:
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
             self.profiler.__exit__(None, None, None)
 
 
-def profile(model_name: str, batch_size: int, variant: str, steps: int) -> dict[str, float]:
-    """Milliseconds per step in each region, for one model, batch size and variant."""
+class _SyncCount(L.Callback):
+    """The host synchronisations of the steps after the warm-up, with the source lines that cause them: CUDA's sync
+    debug mode warns at each one (``torch.cuda.set_sync_debug_mode("warn")``), and the warnings are recorded."""
+
+    def __init__(self) -> None:
+        self.step, self.records, self._catch = 0, [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.step += 1
+        if self.step == WARMUP + 1:
+            self._catch = warnings.catch_warnings(record=True)
+            self.records = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, trainer, pl_module):
+        if self._catch is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catch.__exit__(None, None, None)
+
+    def per_step(self, timed: int) -> tuple[float, list[tuple[str, float]]]:
+        """Synchronisations per step, and the five source lines with the most (per step)."""
+        syncs = [w for w in self.records if "synchroniz" in str(w.message)]
+        where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        return len(syncs) / timed, [(line, count / timed) for line, count in where.most_common(5)]
+
+
+def _fit(model_name: str, batch_size: int, variant: str, steps: int, device: str, precision: str, callbacks: list):
     model_cls = BENCHMARKED[model_name]
     torch.manual_seed(0)
-    timer, prof = _StepTimer("cpu"), _Profile()
-    callbacks: list = [timer, prof]
     if variant == "oso":  # a fixed multiplier: no calibration; a budget the run cannot reach
-        callbacks.append(OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0))
+        callbacks = [*callbacks, OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0)]
     loader = DataLoader(synthetic_data(model_cls, 50 * batch_size), batch_size=batch_size, shuffle=True)
-    fit_quietly(_Labelled(model_cls(), loss_of(model_cls)), loader, "cpu", callbacks=callbacks, max_steps=steps)
+    module = _Labelled(model_cls(), loss_of(model_cls))
+    fit_quietly(module, loader, device, callbacks=callbacks, max_steps=steps, precision=precision)
+
+
+def profile(
+    model_name: str, batch_size: int, variant: str, steps: int, device: str = "cpu", precision: str = "32-true"
+) -> dict[str, Any]:
+    """Milliseconds per step in each region, for one model, batch size and variant (on CUDA also the kernel time and
+    the host synchronisations per step)."""
+    timer, prof = _StepTimer(device), _Profile(device)
+    _fit(model_name, batch_size, variant, steps, device, precision, [timer, prof])
     timed = steps - WARMUP
-    totals = {e.key: e.cpu_time_total / 1e3 / timed for e in prof.profiler.key_averages()}  # ms per step, inclusive
+    assert prof.profiler is not None, f"no step after the {WARMUP} warm-up steps: raise --steps"
+    events = prof.profiler.key_averages()
+    totals = {e.key: e.cpu_time_total / 1e3 / timed for e in events}  # ms per step, inclusive
     wall = statistics.mean(timer.times[WARMUP:]) * 1e3
     optimizer = next((v for k, v in totals.items() if k.startswith("Optimizer.step#")), 0.0)
     row = {region: totals.get(region, 0.0) for region in REGIONS}
@@ -95,6 +147,15 @@ def profile(model_name: str, batch_size: int, variant: str, steps: int) -> dict[
     row["update"] = max(optimizer - inside, 0.0)
     row["Lightning"] = max(wall - optimizer, 0.0)
     row["step (wall)"] = wall
+    if device.startswith("cuda"):
+        # the kernels' own time: every device event but the annotations' ranges (named as the host's regions are),
+        # which would count it twice
+        host = {e.key for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in host]
+        row["device ms"] = sum(e.self_device_time_total for e in kernels) / 1e3 / timed
+        counter = _SyncCount()
+        _fit(model_name, batch_size, variant, WARMUP + 3, device, precision, [counter])
+        row["syncs"], row["sync sources"] = counter.per_step(3)
     return row
 
 
@@ -114,10 +175,21 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "| model | B | variant | " + " | ".join(columns) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in columns) + " |",
     ]
+    cuda = any("syncs" in row for row in result["rows"])
+    if cuda:
+        lines[-2] = lines[-2][:-1] + "| device ms | syncs |"
+        lines[-1] = lines[-1][:-1] + "| --- | --- |"
     for row in result["rows"]:
         wall = row["step (wall)"]
         cells = [f"{row[k]:.1f} ({100 * row[k] / wall:.0f}%)" if k != "step (wall)" else f"{wall:.1f}" for k in keys]
+        if cuda:
+            cells += [f"{row['device ms']:.1f}", f"{row['syncs']:.0f}"]
         lines.append(f"| {row['model']} | {row['batch_size']} | {row['variant']} | " + " | ".join(cells) + " |")
+    if cuda:
+        lines += ["", "Host synchronisations per step by source line (the five most frequent):", ""]
+        for row in result["rows"]:
+            sources = ", ".join(f"`{line}` {count:.0f}" for line, count in row["sync sources"]) or "none"
+            lines.append(f"- {row['model']} B={row['batch_size']} {row['variant']}: {sources}")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -127,8 +199,13 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="one per model (default: 256 or 512)")
     parser.add_argument("--steps", type=int, default=12, help=f"steps per run (the first {WARMUP} are warm-up)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/step_profile_cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--precision", default="32-true", help="Trainer's precision, e.g. bf16-mixed")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/step_profile_<device>")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but this torch ({torch.__version__}) sees no CUDA device")
+    args.out = args.out or f"benchmarks/results/step_profile_{args.device.split(':')[0]}"
     torch.set_num_threads(args.threads)
     batches = args.batch_sizes or [DEFAULT_BATCH.get(m, 64) for m in args.models]
     started = time.perf_counter()
@@ -136,15 +213,20 @@ def main() -> None:
     for model_name, batch_size in zip(args.models, batches, strict=True):
         for variant in ("non_private", "oso"):
             row = {"model": model_name, "batch_size": batch_size, "variant": variant}
-            row.update(profile(model_name, batch_size, variant, args.steps))
+            row.update(profile(model_name, batch_size, variant, args.steps, args.device, args.precision))
             rows.append(row)
             shares = ", ".join(f"{k.removeprefix('lightning_oso.')} {v:.1f}" for k, v in row.items() if k in REGIONS)
             print(f"{model_name:>12} B={batch_size:<4} {variant:<12} {row['step (wall)']:8.1f} ms/step: {shares}")
     result = {
         "command": "python benchmarks/step_profile.py "
-        + f"--models {' '.join(args.models)} --steps {args.steps} --threads {args.threads}",
+        + f"--models {' '.join(args.models)} --steps {args.steps} --threads {args.threads}"
+        + (f" --device {args.device} --precision {args.precision}" if args.device != "cpu" else ""),
         "date": datetime.date.today().isoformat(),
-        "device": f"cpu ({platform.machine()})",
+        "device": (
+            f"cpu ({platform.machine()})"
+            if args.device == "cpu"
+            else f"{args.device} ({torch.cuda.get_device_name()}), {args.precision}"
+        ),
         "threads": args.threads,
         "torch": torch.__version__,
         "seconds": round(time.perf_counter() - started, 1),
