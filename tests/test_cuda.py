@@ -21,6 +21,7 @@ from test_exact_release import (
     _chi_square_against_the_law,
     _lattice_flags,
     _within_tradeoff,
+    check_the_law_against_50_digits,
 )
 from test_precision import MODES, PARAM_DTYPE, Tokens, _tokens
 from torch.nn import functional as F
@@ -215,6 +216,14 @@ def test_release_scale_noise_on_cuda_has_unit_spread_and_untruncated_tails(monke
     """At the release's scale (``s`` in ``[2^30, 2^31)``), 4M draws on the GPU in four chunks: unit variance in units
     of ``s``, Gaussian kurtosis, and draws beyond 4.5 sigma at the Gaussian rate (a float32 normal stops at 5.77)."""
     _check_release_scale_noise("cuda", monkeypatch)
+
+
+@pytest.mark.parametrize("scale", [2.0**30, 1.37 * 2**30, 2.0**31 - 2.0**8])
+def test_the_cuda_samplers_law_is_the_gaussian_density_to_the_charged_float64_error(scale):
+    """The proposal table and the float64 acceptance computed on the GPU (its ``exp`` and divisions, not the CPU's):
+    proposal times acceptance is ``exp(-y^2 / 2 s^2)`` times one constant within the ``2^-43.98`` the accountant
+    charges, against 50-digit arithmetic at every block's ends within 16 s, as on the CPU."""
+    check_the_law_against_50_digits(scale, "cuda")
 
 
 def _attackers_values() -> torch.Tensor:

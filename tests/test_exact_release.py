@@ -14,6 +14,7 @@ sensitivity), and the floating-point term in the reported epsilon.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import subprocess
@@ -421,12 +422,18 @@ def test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error(scale)
     constant, within the error the accountant charges (docs/algorithms.md: ``2^-43.98`` per probability at every
     ``|y| <= 16 s``), checked against 50-digit arithmetic at every block's ends and at random integers, far tails
     included; and no integer within 16 s is out of reach (an acceptance of at least ``2^-195``, the exact Bernoulli's
-    floor)."""
+    floor). ``tests/test_cuda.py`` runs the same check with the table and the acceptance computed on a GPU."""
+    check_the_law_against_50_digits(scale, "cpu")
+
+
+def check_the_law_against_50_digits(scale: float, device: str) -> None:
+    """The check of the test above, with the proposal table and the float64 acceptance computed on ``device``."""
     mpmath = pytest.importorskip("mpmath")
     mpmath.mp.dps = 50
-    s = torch.tensor(scale, dtype=torch.float64)
+    s = torch.tensor(scale, dtype=torch.float64, device=device)
     table = exact_noise.proposal_table(s)
-    starts, widths, counts, buckets = _blocks_of(table)
+    on_cpu = dataclasses.replace(table, **{f.name: getattr(table, f.name).cpu() for f in dataclasses.fields(table)})
+    starts, widths, counts, buckets = _blocks_of(on_cpu)  # the table's blocks, as the device built them
     reach = 16 * scale
     inside = (starts + widths - 1 >= -reach) & (starts <= reach)
     generator = torch.Generator().manual_seed(1)
@@ -440,7 +447,7 @@ def test_sampler_law_is_the_gaussian_density_to_the_charged_float64_error(scale)
         ys += [y for y in points if abs(y) <= reach]
         bs += [int(bucket)] * sum(abs(y) <= reach for y in points)
     y, bucket = torch.tensor(ys), torch.tensor(bs)
-    p = exact_noise.acceptance(y, bucket, table)
+    p = exact_noise.acceptance(y.to(device), bucket.to(device), table).cpu()
     assert bool((p >= 2.0**-195).all()) and bool((p <= 1).all())
     block = torch.searchsorted(starts, y, right=True) - 1
     log_ratio = []
