@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from lightning_oso import OSODP, exact_noise
 from lightning_oso.clipping import OSOClipping
 from lightning_oso.per_sample import TensorSource
-from lightning_oso.randomness import keyed_generator
+from lightning_oso.randomness import KeyedWords, keyed_generator
 from lightning_oso.step import gaussian_noise, sanitise
 from lightning_oso.validation import PrivacyConfigurationError
 
@@ -156,16 +156,6 @@ def test_the_deferred_direction_query_on_cuda_has_the_vector_mechanisms_law():
 # The accelerators' sampler is the vectorised passes, in chunks of 2^20 draws, fed by the CUDA generator's words; the
 # grid's float64 rounding runs on the GPU. Each check is a function of the device, so that its logic can be run on the
 # CPU too; the tests call it on CUDA.
-class _ReplayedWords:
-    """The same words on every device: 62-bit words from a numpy stream, moved to the device asked for."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
-        return torch.from_numpy(self.rng.integers(0, 2**exact_noise.WORD_BITS, count, dtype=np.int64)).to(device)
-
-
 def _check_the_sampler_law(device: str, scale: float, layout, bin_width: int, spares: str, monkeypatch) -> None:
     if spares == "too few":
         monkeypatch.setattr(exact_noise, "_OVERDRAW", 1.0)
@@ -244,8 +234,12 @@ def _check_release_matches_the_cpu(device: str, monkeypatch) -> None:
     monkeypatch.setattr(exact_noise, "_CHUNK", exact_noise._ACCELERATOR_CHUNK)  # the same chunks: the same calls
     values = _attackers_values()
     std = torch.tensor(0.37, dtype=torch.float64)
-    on_cpu = exact_noise.release_on_grid(values, std, _ReplayedWords(17))
-    on_device = exact_noise.release_on_grid(values.to(device), std.to(device), _ReplayedWords(17))
+
+    def words():  # the same words on both devices: keyed numpy words, moved to the device asked for
+        return KeyedWords(np.random.SeedSequence(17)).words
+
+    on_cpu = exact_noise.release_on_grid(values, std, words())
+    on_device = exact_noise.release_on_grid(values.to(device), std.to(device), words())
     assert on_device.device.type == torch.device(device).type
     on_device = on_device.cpu()
     nan = torch.isnan(on_cpu)  # NaN stays NaN (its payload is the device's own)
