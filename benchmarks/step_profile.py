@@ -162,7 +162,9 @@ def profile(
 def write_report(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    cuda = any("syncs" in row for row in result["rows"])
     columns = ["forward", "backward", "norms", "sums", "noise", "release, other", "update", "Lightning", "step"]
+    columns += ["device ms", "syncs"] if cuda else []
     keys = [*REGIONS, "release, other", "update", "Lightning", "step (wall)"]
     lines = [
         f"# One step's time by region ({result['date']}, {result['device']}, {result['threads']} threads, "
@@ -175,10 +177,6 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "| model | B | variant | " + " | ".join(columns) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in columns) + " |",
     ]
-    cuda = any("syncs" in row for row in result["rows"])
-    if cuda:
-        lines[-2] = lines[-2][:-1] + "| device ms | syncs |"
-        lines[-1] = lines[-1][:-1] + "| --- | --- |"
     for row in result["rows"]:
         wall = row["step (wall)"]
         cells = [f"{row[k]:.1f} ({100 * row[k] / wall:.0f}%)" if k != "step (wall)" else f"{wall:.1f}" for k in keys]
