@@ -357,9 +357,11 @@ def discrete_gaussian(
     """
     count = math.prod(shape)
     scale = scale.to(torch.float64)
+    if add_to is not None and (scale.numel() != 1 or tuple(add_to.shape) != tuple(shape) or not add_to.is_contiguous()):
+        raise ValueError("discrete_gaussian(add_to=...) takes one scale and a contiguous tensor of the shape drawn")
+    if scale.device.type != "cpu" and _COMPILED_ON_CPU and count <= _HOST_DRAW_MAX:
+        return _draw_on_host(shape, scale, words, layout, bucket_bits, add_to)
     if add_to is not None:
-        if scale.numel() != 1 or tuple(add_to.shape) != tuple(shape) or not add_to.is_contiguous():
-            raise ValueError("discrete_gaussian(add_to=...) takes one scale and a contiguous tensor of the shape drawn")
         _draw(
             count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1)
         )
@@ -389,6 +391,10 @@ _ACCELERATOR_CHUNK = 2**20
 #: Draw on a CPU with the compiled loop (:func:`_draw_compiled`); the tests switch it off to check the vectorised
 #: path the accelerators take on the same law.
 _COMPILED_ON_CPU = True
+#: The most draws made on the host for an accelerator (:func:`_draw_on_host`): a few integers (OSO's deferred
+#: direction query, the quantile rule's count, a small trainable part) cost the vectorised passes' few dozen kernel
+#: launches, their table and their four host reads whatever the count, the compiled loop about 18 ns each.
+_HOST_DRAW_MAX = 2**14
 #: Fresh words drawn per draw still needed, for the compiled loop's open trials (2.4-4.7% of the proposals).
 _FRESH_SHARE = 0.06
 #: Proposals drawn per draw still needed: 3.5-4.7% are rejected (the most at the smallest scales), so one round nearly
@@ -429,12 +435,33 @@ def _draw(
     return out
 
 
+def _draw_on_host(
+    shape: torch.Size | tuple[int, ...],
+    scale: Tensor,
+    words: Words,
+    layout: Layout,
+    bucket_bits: int,
+    add_to: Tensor | None,
+) -> Tensor:
+    """:func:`discrete_gaussian` of a few integers for an accelerator (at most :data:`_HOST_DRAW_MAX`, a setting, never
+    data), drawn by the CPU's compiled loop from the accelerator's own words, each request of them copied to the host:
+    the same sampler and law as on a CPU, for a host read or two instead of the vectorised passes' kernels and reads.
+    The draws are moved to ``scale``'s device (added to ``add_to`` there, where given)."""
+    device = scale.device
+
+    def host_words(count: int, _: torch.device) -> Tensor:
+        return words(count, device).cpu()
+
+    drawn = discrete_gaussian(shape, scale.cpu(), host_words, layout, bucket_bits).to(device)
+    return drawn if add_to is None else add_to.add_(drawn)
+
+
 def prepare(device: torch.device | str) -> None:
-    """Loads the CPU sampler's compiled loop (:mod:`lightning_oso.exact_noise_kernel`) before training, so that the
-    first private step does not pay for it: numba's runtime and the loop's machine code, about a second and 110 MB of
-    a process's resident memory once (and a few seconds on the first use ever, which compiles the loop and caches it
-    on disk). Draws nothing; does nothing for an accelerator."""
-    if torch.device(device).type == "cpu" and _COMPILED_ON_CPU:
+    """Loads the sampler's compiled loop (:mod:`lightning_oso.exact_noise_kernel`) before training, so that the first
+    private step does not pay for it: numba's runtime and the loop's machine code, about a second and 110 MB of a
+    process's resident memory once (and a few seconds on the first use ever, which compiles the loop and caches it on
+    disk). On an accelerator the loop makes the small draws (:data:`_HOST_DRAW_MAX`) on the host. Draws nothing."""
+    if _COMPILED_ON_CPU:
         from lightning_oso import exact_noise_kernel as kernel
 
         kernel.warm_up()

@@ -188,6 +188,36 @@ def test_the_cuda_sampler_has_the_exact_law_tails_included(scale, layout, bin_wi
     _check_the_sampler_law("cuda", scale, layout, bin_width, spares, monkeypatch)
 
 
+def _check_small_draws(device: str, monkeypatch) -> None:
+    monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", True)
+    scale = 1.37 * 2**30
+    for count in (1, 7, 1000, exact_noise._HOST_DRAW_MAX):
+        on_cpu = exact_noise.discrete_gaussian(
+            (count,), torch.tensor(scale, dtype=torch.float64), KeyedWords(np.random.SeedSequence(count)).words
+        )
+        on_device = exact_noise.discrete_gaussian(
+            (count,),
+            torch.tensor(scale, dtype=torch.float64, device=device),
+            KeyedWords(np.random.SeedSequence(count)).words,
+        )
+        assert on_device.device.type == torch.device(device).type
+        assert torch.equal(on_device.cpu(), on_cpu)
+    # the law, from the device generator's words: 2M draws in calls of 4,000 (the small draws' path)
+    words = exact_noise.torch_words(keyed_generator(np.random.SeedSequence(6), device))
+    small = torch.tensor(37.3, dtype=torch.float64, device=device)
+    layout = ((9, 2), (12, 6))
+    z = torch.cat([exact_noise.discrete_gaussian((4000,), small, words, layout).cpu() for _ in range(500)])
+    chi2, dof = _chi_square_against_the_law(z, 37.3, 4, reach=int(6 * 37.3))
+    assert chi2 < dof + 6 * math.sqrt(2 * dof)
+
+
+def test_small_cuda_draws_are_the_cpu_loops_bit_for_bit_and_of_the_law(monkeypatch):
+    """A draw of at most ``_HOST_DRAW_MAX`` integers for the GPU (OSO's deferred row, a scalar count) is made on the
+    host by the compiled loop from the GPU stream's words: the same words give the CPU's draws bit for bit, and 2M
+    draws made 4,000 at a time from the CUDA generator's words have the law (chi-square, tails included)."""
+    _check_small_draws("cuda", monkeypatch)
+
+
 def _check_release_scale_noise(device: str, monkeypatch) -> None:
     monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", False)
     std = torch.tensor(1.7, dtype=torch.float64, device=device)

@@ -20,6 +20,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import ToyModel, make_trainer
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oso import OSODP, exact_noise, step
 from lightning_oso.clipping import FixedThresholdClipping
 from lightning_oso.per_sample import TensorSource
+from lightning_oso.randomness import KeyedWords
 
 
 def _ulp32(v: torch.Tensor) -> torch.Tensor:
@@ -537,6 +539,34 @@ def test_a_layout_whose_positions_overlap_the_bucket_bits_or_its_runs_is_refused
     run must be whole blocks after the last: refused with the run named."""
     with pytest.raises(ValueError, match=r"layout run \("):
         exact_noise.proposal_table(torch.tensor(2.0**30, dtype=torch.float64), layout)
+
+
+def test_a_small_draw_for_an_accelerator_is_the_compiled_loops_on_the_accelerators_words():
+    """A few integers for an accelerator (OSO's deferred row, a scalar count) are drawn on the host by the compiled
+    loop: each request of words is made on the accelerator's device and copied over, and the draws are those the loop
+    makes from the same words, returned or added to the grid index. (Run on the CPU standing in for the accelerator;
+    ``tests/test_cuda.py`` checks it on a GPU against the CPU's draws bit for bit and against the law.)"""
+    scale = torch.tensor(1.37 * 2**30, dtype=torch.float64)
+    asked: list[torch.device] = []
+
+    def source():  # the same keyed words each time, every request recorded
+        stream = KeyedWords(np.random.SeedSequence(4)).words
+
+        def words(count: int, device: torch.device) -> torch.Tensor:
+            asked.append(torch.device(device))
+            return stream(count, device)
+
+        return words
+
+    layout, bucket_bits = exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS
+    expected = exact_noise.discrete_gaussian((3, 5), scale, source())  # the compiled loop on the CPU
+    asked.clear()
+    drawn = exact_noise._draw_on_host((3, 5), scale, source(), layout, bucket_bits, None)
+    assert asked and all(device == scale.device for device in asked)  # the words of the accelerator's stream
+    assert drawn.shape == (3, 5) and drawn.dtype == torch.int64 and torch.equal(drawn, expected)
+    index = torch.full((3, 5), 7.0, dtype=torch.float64)
+    out = exact_noise._draw_on_host((3, 5), scale, source(), layout, bucket_bits, index)
+    assert out is index and torch.equal(index, expected.double() + 7.0)
 
 
 def test_prepare_loads_the_compiled_loop_for_both_outputs_and_draws_nothing():

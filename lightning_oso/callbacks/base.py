@@ -256,7 +256,7 @@ class DPCallback(Callback, abc.ABC):
         )
         self._hand_plan(plan)
         self._training.attach_hooks()
-        exact_noise.prepare(trainer.strategy.root_device)  # the CPU sampler's compiled loop, before any step
+        exact_noise.prepare(trainer.strategy.root_device)  # the sampler's compiled loop, before any step
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
