@@ -128,16 +128,31 @@ def _fit(model_name: str, batch_size: int, variant: str, steps: int, device: str
 
 
 def profile(
-    model_name: str, batch_size: int, variant: str, steps: int, device: str = "cpu", precision: str = "32-true"
+    model_name: str,
+    batch_size: int,
+    variant: str,
+    steps: int,
+    device: str = "cpu",
+    precision: str = "32-true",
+    tables: Path | None = None,
 ) -> dict[str, Any]:
     """Milliseconds per step in each region, for one model, batch size and variant (on CUDA also the kernel time and
-    the host synchronisations per step)."""
+    the host synchronisations per step). With ``tables``, the profiler's operator tables (by host time, and on CUDA
+    by kernel time) are appended to that file."""
     timer, prof = _StepTimer(device), _Profile(device)
     _fit(model_name, batch_size, variant, steps, device, precision, [timer, prof])
     timed = steps - WARMUP
     assert prof.profiler is not None, f"no step after the {WARMUP} warm-up steps: raise --steps"
     events = prof.profiler.key_averages()
-    totals = {e.key: e.cpu_time_total / 1e3 / timed for e in events}  # ms per step, inclusive
+    if tables is not None:
+        sorts = ["self_cpu_time_total"] + (["self_device_time_total"] if device.startswith("cuda") else [])
+        with tables.open("a") as f:
+            for sort in sorts:
+                f.write(f"\n## {model_name} B={batch_size} {variant}, {timed} steps, by {sort}\n\n")
+                f.write(events.table(sort_by=sort, row_limit=40, max_name_column_width=60) + "\n")
+    # ms per step, inclusive, of the host's events (on CUDA each annotation also has a device-side event of its name)
+    host_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    totals = {e.key: e.cpu_time_total / 1e3 / timed for e in host_events}
     wall = statistics.mean(timer.times[WARMUP:]) * 1e3
     optimizer = next((v for k, v in totals.items() if k.startswith("Optimizer.step#")), 0.0)
     row = {region: totals.get(region, 0.0) for region in REGIONS}
@@ -150,7 +165,7 @@ def profile(
     if device.startswith("cuda"):
         # the kernels' own time: every device event but the annotations' ranges (named as the host's regions are),
         # which would count it twice
-        host = {e.key for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+        host = {e.key for e in host_events}
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in host]
         row["device ms"] = sum(e.self_device_time_total for e in kernels) / 1e3 / timed
         counter = _SyncCount()
@@ -200,6 +215,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--precision", default="32-true", help="Trainer's precision, e.g. bf16-mixed")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/step_profile_<device>")
+    parser.add_argument("--tables", default=None, help="a text file for the profiler's operator tables of each row")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}, but this torch ({torch.__version__}) sees no CUDA device")
@@ -211,7 +227,8 @@ def main() -> None:
     for model_name, batch_size in zip(args.models, batches, strict=True):
         for variant in ("non_private", "oso"):
             row = {"model": model_name, "batch_size": batch_size, "variant": variant}
-            row.update(profile(model_name, batch_size, variant, args.steps, args.device, args.precision))
+            tables = Path(args.tables) if args.tables else None
+            row.update(profile(model_name, batch_size, variant, args.steps, args.device, args.precision, tables))
             rows.append(row)
             shares = ", ".join(f"{k.removeprefix('lightning_oso.')} {v:.1f}" for k, v in row.items() if k in REGIONS)
             print(f"{model_name:>12} B={batch_size:<4} {variant:<12} {row['step (wall)']:8.1f} ms/step: {shares}")
