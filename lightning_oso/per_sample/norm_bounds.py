@@ -42,8 +42,11 @@ from torch import Tensor
 #: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond,
 #: the scaled float32 route is faster on CPU)
 FLOAT64_ROUTE_LIMIT = 1 << 20
-#: the most entries ``sq_norm_upper`` bounds in one go; a larger batch is taken in chunks of whole samples
+#: the most entries ``sq_norm_upper`` bounds in one go on a CPU; a larger batch is taken in chunks of whole samples
 NORM_CHUNK = 1 << 20
+#: the same on an accelerator, where each chunk costs its ten or so kernel launches and the cache argument for small
+#: chunks does not hold: a chunk's temporary (its scaled float32 copy) is at most 64 MB
+ACCELERATOR_NORM_CHUNK = 1 << 24
 
 #: a generous factor for the rounding of the few float64 operations that combine bounds (each formula below has far
 #: fewer than ``2^13`` of them, and each adds at most ``2^-53`` relative)
@@ -181,11 +184,12 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     non-finite entry."""
     n = x.shape[0]
     per_sample = math.prod(x.shape[1:])
-    if n > 1 and n * per_sample > NORM_CHUNK:
+    chunk = NORM_CHUNK if x.device.type == "cpu" else ACCELERATOR_NORM_CHUNK
+    if n > 1 and n * per_sample > chunk:
         # a few samples at a time: each chunk's temporaries (a scaled or float64 copy) stay in cache and in memory
         # the allocator keeps, where one model-sized temporary would be fresh pages every step (4-6x slower on CPU,
         # benchmarks/step_profile.py). Each sample's bound is computed alone either way
-        step = max(1, NORM_CHUNK // max(per_sample, 1))
+        step = max(1, chunk // max(per_sample, 1))
         return torch.cat([sq_norm_upper(x[i : i + step]) for i in range(0, n, step)])
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
