@@ -224,10 +224,10 @@ def main() -> None:
     batches = args.batch_sizes or [DEFAULT_BATCH.get(m, 64) for m in args.models]
     started = time.perf_counter()
     rows = []
+    tables = Path(args.tables) if args.tables else None
     for model_name, batch_size in zip(args.models, batches, strict=True):
         for variant in ("non_private", "oso"):
             row = {"model": model_name, "batch_size": batch_size, "variant": variant}
-            tables = Path(args.tables) if args.tables else None
             row.update(profile(model_name, batch_size, variant, args.steps, args.device, args.precision, tables))
             rows.append(row)
             shares = ", ".join(f"{k.removeprefix('lightning_oso.')} {v:.1f}" for k, v in row.items() if k in REGIONS)

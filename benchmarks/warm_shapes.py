@@ -3,8 +3,8 @@ have been seen, and on a GPU the kernel libraries plan per shape (the attention 
 cuDNN's convolutions), so a private run's first steps are slower than its steady state. The non-private step, whose
 batch size never changes, plans once.
 
-For each model, one non-private and one OSO fit (the overhead benchmark's models, data and step timer); the median
-step time over steps 5-20 and over the last 30 steps.
+For each model, one non-private and one OSO fit (the overhead benchmark's runs, ``overhead.run_lightning``); the
+median step time over steps 5-20 and over the last 30 steps.
 
     python benchmarks/warm_shapes.py --device cuda      # writes benchmarks/results/warm_shapes_cuda.json
 """
@@ -16,10 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-from overhead import BENCHMARKED, DataLoader, _Module, _StepTimer, fit_quietly, loss_of, synthetic_data
-
-from lightning_oso import OSODP
+from overhead import run_lightning
 
 RUNS = (("gpt2", 64, 160), ("mnist_cnn", 256, 160), ("transformer", 256, 120))  # model, batch size, steps
 
@@ -33,16 +30,7 @@ def main() -> None:
     out: dict[str, dict[str, float]] = {}
     for model, batch, steps in RUNS:
         for variant in ("non_private", "oso"):
-            model_cls = BENCHMARKED[model]
-            torch.manual_seed(0)
-            loader = DataLoader(synthetic_data(model_cls, 50 * batch), batch_size=batch, shuffle=True)
-            timer = _StepTimer(args.device)
-            callbacks: list = [timer]
-            if variant == "oso":  # a fixed multiplier and a budget the run cannot reach
-                callbacks.append(OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0))
-            module = _Module(model_cls(), loss_of(model_cls))
-            fit_quietly(module, loader, args.device, callbacks=callbacks, max_steps=steps, precision=args.precision)
-            ms = [t * 1e3 for t in timer.times]
+            ms = [t * 1e3 for t in run_lightning(variant, model, batch, steps, args.device, args.precision)]
             row = {"steps 5-20": statistics.median(ms[5:20]), "last 30": statistics.median(ms[-30:])}
             out[f"{model} B={batch} {variant}"] = row
             print(model, batch, variant, {k: round(v, 2) for k, v in row.items()}, flush=True)
