@@ -212,6 +212,16 @@ MUTANTS = (
         "the sampler's early rejection threshold rounded down: trials the acceptance would keep are dropped unread",
     ),
     Mutant(
+        "host_draw_off_the_stream",
+        "lightning_oso/exact_noise.py",
+        "        return words(count, device).cpu()",
+        '        return torch_words(None)(count, torch.device("cpu"))',
+        (
+            "tests/test_exact_release.py::test_a_small_draw_for_an_accelerator_is_the_compiled_loops_on_the_accelerators_words",
+        ),
+        "an accelerator's small draws made from the process's unkeyed default generator, not the step's noise stream",
+    ),
+    Mutant(
         "sampler_tie_dropped",
         "lightning_oso/exact_noise.py",
         "if tie.numel():",
