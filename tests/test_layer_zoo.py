@@ -21,13 +21,15 @@ N = 5
 
 
 class Tied(nn.Module):
-    """GPT-2's pattern: an embedding whose weight is also the output layer's."""
+    """GPT-2's pattern: an embedding whose weight is also the output layer's. With the default sizes the head
+    instantiates its per-sample gradients (``T (d + V) > d V`` at 5 tokens) and the tied part sums the uses'; with a
+    larger vocabulary and short records both uses give their positions to one ghost norm (``tied.TiedGhost``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 13, d: int = 6) -> None:
         super().__init__()
-        self.embed = nn.Embedding(13, 6)
-        self.mix = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 13, bias=False)
+        self.embed = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, idx):
@@ -37,10 +39,10 @@ class Tied(nn.Module):
 class TiedAutoencoder(nn.Module):
     """Two linear layers sharing one weight, one of them called twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, d: int = 4) -> None:
         super().__init__()
-        self.encode = nn.Linear(4, 4)
-        self.decode = nn.Linear(4, 4, bias=False)
+        self.encode = nn.Linear(d, d)
+        self.decode = nn.Linear(d, d, bias=False)
         self.decode.weight = self.encode.weight
 
     def forward(self, x):
@@ -157,6 +159,8 @@ ZOO = {
     "keywords-raw-parameter": (lambda: CallsKeywords(), floats(4)),
     "tied-embedding-and-head": (lambda: Tied(), tokens((5,), high=13)),
     "tied-linear-called-twice": (lambda: TiedAutoencoder(), floats(4)),
+    "tied-embedding-and-head-ghost": (lambda: Tied(vocab=40, d=8), tokens((3,), high=40)),
+    "tied-linear-on-sequences-ghost": (lambda: TiedAutoencoder(d=16), floats(2, 16)),
 }
 
 

@@ -278,6 +278,22 @@ MUTANTS = (
         "a record with a NaN or inf gradient multiplied by its weight 0 (NaN) instead of left out",
     ),
     Mutant(
+        "tied_ghost_cross_term_once",
+        "lightning_oso/per_sample/tied.py",
+        "* (2 * f_r)",
+        "* f_r",
+        ("tests/test_tied.py::test_the_tied_part_is_ghost_where_every_use_is",),
+        "a tied weight's ghost norm counts the head-embedding cross term once, not twice: norms off either way",
+    ),
+    Mutant(
+        "tied_ghost_no_rounding_margin",
+        "lightning_oso/per_sample/tied.py",
+        "ghost_sum.clamp_min_(0).add_(error).add_(eta)",
+        "ghost_sum.clamp_min_(0).add_(eta)",
+        ("tests/test_tied.py::test_a_head_cancelling_its_embedding_cannot_hide_a_records_norm",),
+        "a tied weight's computed ghost sum taken as the norm: a record whose uses cancel is clipped at the residue",
+    ),
+    Mutant(
         "noise_on_every_rank",
         "lightning_oso/strategies/release.py",
         "return self._process.global_rank == 0",

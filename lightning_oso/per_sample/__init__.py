@@ -14,8 +14,9 @@ gradients where that is cheaper (ghost norm, Goodfellow 2015 and Li et al. 2022;
 - ``composite``: layers that use their parameters inside their own forward, observed op by op on the instance
   (``attention``: ``nn.MultiheadAttention``; ``recurrent``: ``nn.RNN``, ``nn.LSTM``, ``nn.GRU``), each product with a
   parameter a Linear layer's part;
-- ``parts``: per-sample gradients held as tensors, what the layer parts share, and the part of a tied parameter
-  (one registered by several layers: its per-sample gradient is the sum of its uses', ``parts.tied``);
+- ``parts``: per-sample gradients held as tensors, what the layer parts share, and the instantiated part of a tied
+  parameter (one registered by several layers: its per-sample gradient is the sum of its uses', ``parts.tied``);
+- ``tied``: a tied parameter's part, a ghost norm over all its uses' positions where they allow it;
 - ``norm_bounds``: the rounding model that makes every norm an upper bound of the true one;
 - ``loss_scale``: the loss the private step backpropagates, scaled so that each record's output gradients are its
   own loss's before they reach a 16-bit layer (a mean's ``1/n`` would round them at a scale set by the private
@@ -34,8 +35,9 @@ weight's per-sample gradient is an outer-product sum over positions ``t``, ``G_i
 Where ``T (d_in + d_out) > d_in d_out`` (long sequences, few channels) a layer instantiates ``G_i`` instead (cost
 ``~ T d_in d_out``, as Opacus does) and takes both its norm and the sums from it. LayerNorm and GroupNorm have small
 per-sample gradients (``[n, C]``), always instantiated. Any other layer with trainable parameters falls back to
-an exact instantiated path (``fallback``). A tied parameter's uses each hand over their instantiated share, and
-its norm is that of their sum, cross terms included.
+an exact instantiated path (``fallback``). A tied parameter's norm, cross terms included, is one ghost norm over
+the positions of all its uses where each is an outer-product sum it would not form itself (``tied``); otherwise the
+uses each hand over their instantiated share, and its norm is that of their sum.
 
 The weighted sums are those of the per-sample path (``parts.weighted_sums`` over Opacus' ``grad_sample``) up to
 float rounding; the tests check this layer by layer and end to end.

@@ -21,6 +21,7 @@ from lightning_oso.per_sample.parts import (
     zero_unweighted,
 )
 from lightning_oso.per_sample.registry import register_fast_path
+from lightning_oso.per_sample.tied import Positions
 
 
 def _plain(layer: nn.Embedding | nn.EmbeddingBag) -> bool:
@@ -48,6 +49,7 @@ class EmbeddingPart:
         self.b = b
         self.dtype = b.dtype
         self.taken = False  # the weight handed over to a tied part (``take``)
+        self.norm_dropped = False  # the weight's norm taken over by a tied part (``drop_norm``); its sums stay
 
     def sq_norms(self) -> Tensor:
         """Upper bounds (float64) of ``||G_i||^2``: the ghost norm of ``OuterProduct.sq_norms`` with ``a_t`` one-hot
@@ -58,7 +60,7 @@ class EmbeddingPart:
         dtype, device = self.b.dtype, self.b.device
         u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
         u_mm = nb.input_roundoff(device, "matmul")
-        if self.taken:
+        if self.taken or self.norm_dropped:
             return torch.zeros(n, dtype=torch.float64, device=device)
         if t == 1:
             return nb.sq_norm_upper(self.b)
@@ -91,6 +93,18 @@ class EmbeddingPart:
         scaled = zero_unweighted(weights.t()[:, :, None, None] * self.b, weighted_records(weights), dim=1)
         out.index_add_(1, self.idx.reshape(-1), scaled.reshape(k, n * t, d))
         return {self.layer.weight: out}
+
+    def positions(self, param: Tensor) -> Positions | None:
+        """The weight's per-sample gradient as a sum over positions, ``G_i = sum_t e_{idx_it} b_it^T`` (one-hot
+        rows), for a tied part's ghost norm (``tied.TiedGhost``)."""
+        if param is not self.layer.weight or self.taken or self.norm_dropped:
+            return None
+        return Positions(cols=self.b, row_index=self.idx)
+
+    def drop_norm(self, param: Tensor) -> None:
+        """Leave the weight out of this part's norms (a tied part bounds it with its other uses); its sums stay."""
+        assert param is self.layer.weight
+        self.norm_dropped = True
 
     def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
         """The per-sample gradients instantiated (``[n, V, d]``: a scatter of ``b_it`` into rows ``idx_it``, each

@@ -7,8 +7,8 @@ Per layer that owns trainable parameters, a forward hook keeps the layer's input
 and scales the loss by ``n`` before backward, so that ``b_i`` is already sample ``i``'s own: see ``loss_scale``).
 The layer's function from the registry (``registry``: linear, conv, embedding, normalisation layers) turns them into
 its part of the norms and sums; a layer the registry does not cover goes to the exact fallback (``fallback``). A
-parameter registered by several layers (a tied weight) gets one part of its own, the sum of its uses'
-(``parts.tied``). A layer that uses its parameters inside its own forward (``nn.MultiheadAttention``, the recurrent
+parameter registered by several layers (a tied weight) gets one part of its own, whose norm is that of the sum of
+its uses' gradients (``tied``). A layer that uses its parameters inside its own forward (``nn.MultiheadAttention``, the recurrent
 layers) is observed op by op instead (``composite``): the per-sample quantities of all of its parameters, its
 submodules' included, come from its ops' inputs and output gradients.
 """
@@ -28,8 +28,9 @@ from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.fallback import Generators, opacus_fallback
 from lightning_oso.per_sample.frozen import FrozenWeights
-from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts, tied
+from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts
 from lightning_oso.per_sample.registry import fast_path
+from lightning_oso.per_sample.tied import tied_part
 
 
 def _aliases_only(module: nn.Module) -> bool:
@@ -84,7 +85,7 @@ class BookKeeping:
         #: ids of every parameter the hooked layers own: those this object can give sums for
         self.covered = set(owners)
         #: parameters registered by several layers (tied weights: GPT-2's token embedding and output layer), and
-        #: those layers: their per-sample gradient is the sum of the layers' (``parts.tied``)
+        #: those layers: their per-sample gradient is the sum of the layers' (``tied.tied_part``)
         self.tied: dict[nn.Parameter, list[nn.Module]] = {
             p: owners[id(p)]
             for layer in self._owners
@@ -290,10 +291,11 @@ class BookKeeping:
                 if part is not None:
                     self._computed[layer] = part
             for param, layers in self.tied.items():
-                # each use hands over its instantiated share; the tied part holds their sum (cross terms included)
-                uses = [self._computed[layer].take(param) for layer in layers if layer in self._computed]
+                # one ghost norm over all uses' positions, or each use's instantiated share summed (cross terms
+                # included either way)
+                uses = [self._computed[layer] for layer in layers if layer in self._computed]
                 if uses:
-                    self._computed[param] = tied(param, uses)
+                    self._computed[param] = tied_part(param, uses)
         return self._computed
 
     @property

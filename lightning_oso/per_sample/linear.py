@@ -30,6 +30,7 @@ from lightning_oso.per_sample.parts import (
     zero_unweighted,
 )
 from lightning_oso.per_sample.registry import register_fast_path
+from lightning_oso.per_sample.tied import Positions
 
 
 @register_fast_path(nn.Linear)
@@ -67,6 +68,7 @@ class OuterProduct:
         if self.weight is not None and not self.ghost and t > 1:
             self.per_sample_weight = torch.bmm(self.b.transpose(1, 2), self.a)  # [n, d_out, d_in]
         self.per_sample_bias = self.b.sum(dim=1) if self.bias is not None else None
+        self.weight_in_norms = True  # False once a tied part has taken over the weight's norm (``drop_norm``)
 
     def sq_norms(self) -> Tensor:
         """Upper bounds (float64) of ``||G_i||^2 + ||bias_i||^2``, exact arithmetic, for each sample.
@@ -97,7 +99,8 @@ class OuterProduct:
         dtype, device = self.b.dtype, self.b.device
         u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
         u_mm = nb.input_roundoff(device, "matmul")
-        ghost = self.weight is not None and self.per_sample_weight is None and t > 1
+        weight = self.weight if self.weight_in_norms else None
+        ghost = weight is not None and self.per_sample_weight is None and t > 1
         parts = []
         if ghost:
             sa, sb = nb.Scaled(self.a), nb.Scaled(self.b)
@@ -125,8 +128,10 @@ class OuterProduct:
             return nb.with_nan(sum_parts(parts), finite)
         # one position, or G^ instantiated: whole-sample norms (cheap, no scaling: nb.sq_norm_upper), and
         # R = sum_t ||a_t|| ||b_t|| <= ||a|| ||b|| (Cauchy-Schwarz) where it only sizes a rounding slack
+        if weight is None and self.bias is None:  # both handed over to tied parts (``take``, ``drop_norm``)
+            return torch.zeros(self.b.shape[0], dtype=torch.float64, device=device)
         norm_b = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.F64)  # NaN where b is not finite
-        if self.weight is not None:
+        if weight is not None:
             norm_a = nb.sq_norm_upper(self.a).sqrt_().mul_(nb.F64)
             r = norm_a * norm_b  # = ||G_i|| for one position
             # underflow of each product (and flushed subnormal inputs, at most tiny times the other factor)
@@ -141,9 +146,21 @@ class OuterProduct:
         if self.bias is not None:
             positions = norm_b * (math.sqrt(t) * nb.F64)  # >= sum_t ||b_t|| (Cauchy-Schwarz)
             parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
-        if not parts:  # both handed over to tied parts (``take``)
-            return torch.zeros(self.b.shape[0], dtype=torch.float64, device=device)
         return sum_parts(parts)
+
+    def positions(self, param: Tensor) -> Positions | None:
+        """The weight's per-sample gradient as a sum over positions in the weight's orientation (``[d_out, d_in]``:
+        rows ``b``, columns ``a``; transposed, the other way round), for a tied part's ghost norm (``tied.TiedGhost``);
+        ``None`` where this layer instantiates its per-sample gradients (its own cost rule) or ``param`` is not its
+        weight."""
+        if param is not self.weight or self.per_sample_weight is not None or not self.weight_in_norms:
+            return None
+        return Positions(cols=self.b, rows=self.a) if self.transposed else Positions(cols=self.a, rows=self.b)
+
+    def drop_norm(self, param: Tensor) -> None:
+        """Leave the weight out of this part's norms (a tied part bounds it with its other uses); its sums stay."""
+        assert param is self.weight
+        self.weight_in_norms = False
 
     def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
         """The weight's (or bias's) per-sample gradients instantiated, and a bound of their rounding error: for the
