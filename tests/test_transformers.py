@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oso import OSODP
 from lightning_oso.per_sample import BookKeeping, per_sample_norms, weighted_sums
+from lightning_oso.per_sample.tied import TiedGhost
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -117,13 +118,45 @@ def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name):
     bk.freeze()
     loss_fn(model, batch).backward()
     bk.unfreeze()
-    if name == "gpt2":
-        assert bk.tied and model.transformer.wte.weight in bk._compute()
+    if name == "gpt2":  # 12 tokens: the head's rule is the ghost norm, so the tied part is one over both uses
+        assert bk.tied and isinstance(bk._compute()[model.transformer.wte.weight], TiedGhost)
     torch.testing.assert_close(bk.norms(), per_sample_norms(reference), rtol=1e-4, atol=1e-6)
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(2))
     for s, r in zip(bk.weighted_sums(params, weights), weighted_sums(reference, weights)):
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
     bk.remove()
+
+
+class TiedConv1D(nn.Module):
+    """transformers' ``Conv1D`` (its weight stored ``[d_in, d_out]``, here ``[vocab, d]``) sharing its weight with an
+    embedding (``[vocab, d]``): the two uses' positions in one orientation or the cross term is wrong."""
+
+    def __init__(self, vocab: int = 10, d: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, vocab)
+        self.out = transformers.pytorch_utils.Conv1D(d, vocab)
+        self.out.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mix(self.embed(idx))))
+
+
+def test_a_conv1d_tied_to_an_embedding_takes_the_ghost_norm_in_the_weights_orientation():
+    """The tied part's positions are each use's in the parameter's orientation (``Conv1D``'s rows are its inputs,
+    an embedding's its one-hot indices): the norms are those of autograd on each record alone."""
+    torch.manual_seed(0)
+    model = TiedConv1D()
+    x = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(1))
+    bk = BookKeeping(model, loss_reduction="sum")
+    model(x).square().sum().backward()
+    assert isinstance(bk._compute()[model.embed.weight], TiedGhost)
+    norms = bk.norms()
+    bk.remove()
+    params = list({id(p): p for p in model.parameters()}.values())
+    reference = [torch.autograd.grad(model(x[i : i + 1]).square().sum(), params) for i in range(4)]
+    exact = per_sample_norms([torch.stack([r[j] for r in reference]) for j in range(len(params))])
+    torch.testing.assert_close(norms, exact, rtol=1e-4, atol=0)
 
 
 def test_t5_with_its_relative_position_bias_frozen():

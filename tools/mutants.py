@@ -294,6 +294,17 @@ MUTANTS = (
         "a tied weight's computed ghost sum taken as the norm: a record whose uses cancel is clipped at the residue",
     ),
     Mutant(
+        "tied_conv1d_orientation",
+        "lightning_oso/per_sample/linear.py",
+        "return Positions(cols=self.b, rows=self.a) if self.transposed else Positions(cols=self.a, rows=self.b)",
+        "return Positions(cols=self.a, rows=self.b)",
+        (
+            "tests/test_transformers.py::"
+            "test_a_conv1d_tied_to_an_embedding_takes_the_ghost_norm_in_the_weights_orientation",
+        ),
+        "a Conv1D's positions handed to a tied part in the wrong orientation: the cross term with an embedding is wrong",
+    ),
+    Mutant(
         "noise_on_every_rank",
         "lightning_oso/strategies/release.py",
         "return self._process.global_rank == 0",
