@@ -302,7 +302,7 @@ MUTANTS = (
             "tests/test_transformers.py::"
             "test_a_conv1d_tied_to_an_embedding_takes_the_ghost_norm_in_the_weights_orientation",
         ),
-        "a Conv1D's positions handed to a tied part in the wrong orientation: the cross term with an embedding is wrong",
+        "a Conv1D's positions given to a tied part in the wrong orientation: its cross term with an embedding is wrong",
     ),
     Mutant(
         "noise_on_every_rank",
