@@ -8,9 +8,9 @@ and scales the loss by ``n`` before backward, so that ``b_i`` is already sample 
 The layer's function from the registry (``registry``: linear, conv, embedding, normalisation layers) turns them into
 its part of the norms and sums; a layer the registry does not cover goes to the exact fallback (``fallback``). A
 parameter registered by several layers (a tied weight) gets one part of its own, whose norm is that of the sum of
-its uses' gradients (``tied``). A layer that uses its parameters inside its own forward (``nn.MultiheadAttention``, the recurrent
-layers) is observed op by op instead (``composite``): the per-sample quantities of all of its parameters, its
-submodules' included, come from its ops' inputs and output gradients.
+its uses' gradients (``tied``). A layer that uses its parameters inside its own forward (``nn.MultiheadAttention``,
+the recurrent layers) is observed op by op instead (``composite``): the per-sample quantities of all of its
+parameters, its submodules' included, come from its ops' inputs and output gradients.
 """
 
 from __future__ import annotations
