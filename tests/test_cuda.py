@@ -323,3 +323,31 @@ def test_lattice_attack_on_cuda_training_is_within_the_gaussian_tradeoff(precisi
     on the GPU in each precision, pooled over 6 runs per world: the attacker who flags small outputs on the lattice
     of the share's float32 ulp does no better than the Gaussian trade-off allows."""
     _check_the_lattice_attack("cuda", precision, tmp_path)
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_a_tied_weights_ghost_norm_on_cuda_bounds_cancelling_uses(tf32):
+    """The tied weight's ghost norm (``tied.TiedGhost``) on the GPU, in chunks of ``ACCELERATOR_NORM_CHUNK``, with
+    IEEE or TF32 products: a head cancelling its embedding is bounded from above, and ordinary records' bounds are the
+    CPU's within the products' rounding (wider, never narrower, with TF32)."""
+    from test_tied import _cancelling, _exact
+
+    from lightning_oso.per_sample.tied import Positions, TiedGhost
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        for gap, scale in [(0.0, 3e38), (1e-7, 1.0), (0.5, 1e-30)]:
+            uses = _cancelling(n=6, t=8, rows=3000, cols=16, scale=scale, gap=gap)
+            on_gpu = [
+                Positions(p.cols.cuda(), *(x.cuda() if x is not None else None for x in (p.rows, p.row_index)))
+                for p in uses
+            ]
+            bound = TiedGhost(on_gpu).sq_norms().sqrt().cpu()
+            assert bool(torch.isfinite(bound).all()) and bool((bound >= _exact(uses, 3000)).all())
+            if gap == 0.5:  # ordinary records: TF32's coarser products only widen the bound
+                ratio = bound / TiedGhost(uses).sq_norms().sqrt()
+                low, high = (1 - 1e-4, 1.1) if tf32 else (1 - 1e-5, 1 + 1e-5)
+                assert bool(((ratio >= low) & (ratio <= high)).all()), ratio
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
