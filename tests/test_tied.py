@@ -167,3 +167,19 @@ def test_the_tied_part_is_ghost_where_every_use_is(vocab, t, dtype, ghost):
     exact = torch.stack(exact)
     assert bool((norms >= exact).all())
     torch.testing.assert_close(norms, exact, rtol=1e-4, atol=0)
+
+
+def test_int32_indices_give_the_int64_norms():
+    """``nn.Embedding`` takes int32 indices too; the tied part's gather and equality blocks see them as int64."""
+    torch.manual_seed(0)
+    model = _Tied(40, 8)
+    x = torch.randint(0, 40, (4, 3), generator=torch.Generator().manual_seed(1))
+    norms = []
+    for dtype in (torch.int64, torch.int32):
+        bk = BookKeeping(model, loss_reduction="sum")
+        model(x.to(dtype)).square().sum().backward()
+        assert isinstance(bk._compute()[model.embed.weight], TiedGhost)
+        norms.append(bk.norms())
+        bk.remove()
+        model.zero_grad()
+    assert torch.equal(norms[0], norms[1])

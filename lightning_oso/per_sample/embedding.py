@@ -99,7 +99,7 @@ class EmbeddingPart:
         rows), for a tied part's ghost norm (``tied.TiedGhost``)."""
         if param is not self.layer.weight or self.taken or self.norm_dropped:
             return None
-        return Positions(cols=self.b, row_index=self.idx)
+        return Positions(cols=self.b, row_index=self.idx.long())  # int32 indices too: a gather takes int64
 
     def drop_norm(self, param: Tensor) -> None:
         """Leave the weight out of this part's norms (a tied part bounds it with its other uses); its sums stay."""
