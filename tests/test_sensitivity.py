@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oso import clipping
 from lightning_oso.clipping import OSOClipping
 from lightning_oso.per_sample import BookKeeping, linear, per_sample_norms, weighted_sums
+from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.parts import Instantiated
 
 CLIP = 0.5
@@ -301,8 +302,19 @@ def sums_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["whole", "record_by_record"])
+def ghost_chunks(request, monkeypatch):
+    """A ghost norm over the whole batch at once, or one record per chunk (``norm_bounds.GHOST_CHUNK``, forced here
+    on layers too small to be chunked by themselves): the crafted record's bound and the others' must not depend on
+    which records share its chunk."""
+    if request.param == "record_by_record":
+        monkeypatch.setattr(nb, "GHOST_CHUNK", 1)
+        monkeypatch.setattr(nb, "ACCELERATOR_NORM_CHUNK", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path, device):
+def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path, device, ghost_chunks):
     """Hand-crafted near-cancelling records and a seeded random search over scales (1e-30..1e30 on ``a``, 1e-20..1e20
     on ``b``), cancellation depths ``d`` and mixed-sign surroundings: no record moves the sums beyond the bound, on
     both ways of forming the sums."""

@@ -305,6 +305,14 @@ MUTANTS = (
         "a Conv1D's positions given to a tied part in the wrong orientation: its cross term with an embedding is wrong",
     ),
     Mutant(
+        "ghost_chunk_wrong_records",
+        "lightning_oso/per_sample/linear.py",
+        "a[i : i + step], b[i : i + step], per_sample_bias[i : i + step] if per_sample_bias is not None else None",
+        "a[i : i + step], b[0:step], per_sample_bias[i : i + step] if per_sample_bias is not None else None",
+        ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
+        "a chunked ghost norm reads the first chunk's output gradients for every chunk: others' values bound a record",
+    ),
+    Mutant(
         "noise_on_every_rank",
         "lightning_oso/strategies/release.py",
         "return self._process.global_rank == 0",

@@ -97,35 +97,12 @@ class OuterProduct:
         _, t, d_in = self.a.shape
         d_out = self.b.shape[2]
         dtype, device = self.b.dtype, self.b.device
-        u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
+        u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
         u_mm = nb.input_roundoff(device, "matmul")
         weight = self.weight if self.weight_in_norms else None
-        ghost = weight is not None and self.per_sample_weight is None and t > 1
+        if weight is not None and self.per_sample_weight is None and t > 1:
+            return _ghost_sq_norms(self.a, self.b, self.per_sample_bias)
         parts = []
-        if ghost:
-            sa, sb = nb.Scaled(self.a), nb.Scaled(self.b)
-            finite = sa.finite & sb.finite
-            # per-position norms from the Gram matrices' diagonals: no further pass over a and b
-            gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
-            norms_a = nb.gram_row_norms_upper(gram, d_in, nb.kernel_error(d_in, u, u_mm))
-            gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
-            norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
-            ghost_sum = gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)
-            del gram, gram_b
-            r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, U64)) * nb.F64).square_().mul_(nb.F64)
-            eps = (1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u) * (
-                1 + nb.gamma(t, u)
-            ) * (1 + nb.gamma(t, U64)) - 1
-            eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
-            if math.isfinite(eps):
-                r2 = torch.minimum(r2, ghost_sum.clamp_min_(0).add_(r2, alpha=eps).add_(eta))
-            bound = r2.sqrt_().mul_(nb.F64).add_(3 * m * t * math.sqrt(d_in * d_out) * tau)
-            parts.append(nb.times(bound, sa.factor * sb.factor, dtype).square_().mul_(nb.F64))
-            if self.bias is not None:
-                positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)
-                positions = positions.mul_((1.0 + nb.gamma(t, U64)) * nb.F64)  # >= sum_t ||b_t||
-                parts.append(self._bias_bound(positions, u, tau).square_().mul_(nb.F64))
-            return nb.with_nan(sum_parts(parts), finite)
         # one position, or G^ instantiated: whole-sample norms (cheap, no scaling: nb.sq_norm_upper), and
         # R = sum_t ||a_t|| ||b_t|| <= ||a|| ||b|| (Cauchy-Schwarz) where it only sizes a rounding slack
         if weight is None and self.bias is None:  # both handed over to tied parts (``take``, ``drop_norm``)
@@ -239,6 +216,56 @@ class OuterProduct:
             assert self.per_sample_bias is not None  # set whenever the bias is trained
             sums[self.bias] = weights.t() @ zero_unweighted(self.per_sample_bias, weighted)
         return sums
+
+
+def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
+    """:meth:`OuterProduct.sq_norms`'s ghost norm (``T > 1``) of the weight and, where ``per_sample_bias`` (the held
+    ``sum_t b_t``, ``[n, d_out]``) is given, of the bias: float64 ``[n]``. A few records at a time
+    (``nb.GHOST_CHUNK``); each record's bound is computed from its own values alone either way."""
+    n, t, d_in = a.shape
+    chunk = nb.GHOST_CHUNK if a.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
+    step = max(1, chunk // max(t * (d_in + b.shape[2] + t), 1))
+    if n <= step:
+        return _ghost_sq_norms_chunk(a, b, per_sample_bias)
+    return torch.cat(
+        [
+            _ghost_sq_norms_chunk(
+                a[i : i + step], b[i : i + step], per_sample_bias[i : i + step] if per_sample_bias is not None else None
+            )
+            for i in range(0, n, step)
+        ]
+    )
+
+
+def _ghost_sq_norms_chunk(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
+    _, t, d_in = a.shape
+    d_out = b.shape[2]
+    dtype, device = b.dtype, b.device
+    u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
+    u_mm = nb.input_roundoff(device, "matmul")
+    sa, sb = nb.Scaled(a), nb.Scaled(b)
+    finite = sa.finite & sb.finite
+    # per-position norms from the Gram matrices' diagonals: no further pass over a and b
+    gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
+    norms_a = nb.gram_row_norms_upper(gram, d_in, nb.kernel_error(d_in, u, u_mm))
+    gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
+    norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
+    ghost_sum = gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)
+    del gram, gram_b
+    r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, U64)) * nb.F64).square_().mul_(nb.F64)
+    eps = (1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u) * (
+        1 + nb.gamma(t, u)
+    ) * (1 + nb.gamma(t, U64)) - 1
+    eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
+    if math.isfinite(eps):
+        r2 = torch.minimum(r2, ghost_sum.clamp_min_(0).add_(r2, alpha=eps).add_(eta))
+    bound = r2.sqrt_().mul_(nb.F64).add_(3 * m * t * math.sqrt(d_in * d_out) * tau)
+    parts = [nb.times(bound, sa.factor * sb.factor, dtype).square_().mul_(nb.F64)]
+    if per_sample_bias is not None:
+        positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)
+        positions = positions.mul_((1.0 + nb.gamma(t, U64)) * nb.F64)  # >= sum_t ||b_t||
+        parts.append(_sum_over_positions_bound(positions, per_sample_bias, t, u, tau).square_().mul_(nb.F64))
+    return nb.with_nan(sum_parts(parts), finite)
 
 
 #: The smallest product (records x positions x d_in x d_out) for which gathering each column's records pays off

@@ -25,10 +25,6 @@ from torch import Tensor
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.parts import U64, Instantiated, Sums, cat_positions, tied
 
-#: the most entries (positions times their columns, rows and Gram row) :meth:`TiedGhost.sq_norms` takes in one go on
-#: a CPU: 4M, twice as fast as 1M on GPT-2's tied embedding (fewer small operations), as fast as 8M
-CPU_CHUNK = 1 << 22
-
 
 @dataclass(frozen=True)
 class Positions:
@@ -87,7 +83,7 @@ class TiedGhost:
         idx = cat_positions([p.row_index for p in self.index]) if self.index else None  # type: ignore[misc]
         n, t, c = cols.shape
         width = t * (c + (dense_rows.shape[2] if dense_rows is not None else 0) + t)
-        chunk = CPU_CHUNK if cols.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
+        chunk = nb.GHOST_CHUNK if cols.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
         step = max(1, chunk // max(width, 1))
         if n <= step:
             return self._sq_norms(cols, dense_rows, idx)
