@@ -114,7 +114,8 @@ def test_a_non_finite_record_gets_a_nan_norm_and_the_others_keep_theirs(bad, whe
 
 def test_each_records_bound_is_its_own():
     """A record's bound does not depend on the other records of the batch: computed alone or among others (in chunks
-    of several records at once: ``norm_bounds.GHOST_CHUNK``), the same up to a kernel's summation order, and always a bound."""
+    of several records at once: ``norm_bounds.GHOST_CHUNK``), the same up to a kernel's summation order, and always
+    a bound."""
     uses = _cancelling(n=40, t=8, rows=3000, cols=16, scale=1.0, gap=0.25, seed=3)
     together = TiedGhost(uses).sq_norms()
     for i in (0, 17, 39):
