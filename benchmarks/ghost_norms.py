@@ -1,0 +1,137 @@
+"""Ghost norms: taken a few records at a time or over the whole batch, and a tied weight's as one ghost norm or as
+the instantiated sum of its uses.
+
+    python benchmarks/ghost_norms.py [--threads 2] [--repeats 15]
+
+Two tables, each variant timed in the same process, interleaved call by call (median of ``--repeats``):
+
+- **chunks**: ``OuterProduct.sq_norms`` of a Linear layer's ghost norm (random inputs ``a: [n, T, d_in]`` and output
+  gradients ``b: [n, T, d_out]``) with ``norm_bounds.GHOST_CHUNK`` as shipped, and with it raised past the batch (the
+  whole batch at once, as before chunking). Small layers fit in one chunk, so both columns run the same code there.
+- **tied**: the norm of a tied weight used by an embedding and an output layer at GPT-2-like sizes (the 2-layer GPT-2
+  of ``overhead.py``: 5,000 tokens, width 128, 64 positions): one ghost norm over both uses' positions
+  (``tied.TiedGhost``) against the uses' per-sample gradients formed and summed (``parts.tied``), which is what a use
+  that forms its own per-sample gradients gets.
+
+Writes ``<out>.json`` (default ``benchmarks/results/ghost_norms_<device>``) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_oso.per_sample import norm_bounds as nb
+from lightning_oso.per_sample.embedding import EmbeddingPart
+from lightning_oso.per_sample.linear import OuterProduct
+from lightning_oso.per_sample.parts import tied
+from lightning_oso.per_sample.tied import tied_part
+
+#: (records, positions, d_in, d_out): a transformer's projection, a 5,000-token head at two lengths, a wide MLP block
+CHUNK_SHAPES = [(64, 32, 128, 128), (64, 32, 128, 5000), (64, 64, 128, 5000), (64, 64, 768, 3072)]
+#: (records, positions, vocabulary, width)
+TIED_SHAPES = [(64, 64, 5000, 128), (16, 64, 5000, 128)]
+
+
+def _interleaved(variants: dict, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each variant, timed call by call in turn."""
+    for f in variants.values():
+        f()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, f in variants.items():
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def _sync(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return x
+
+
+def chunk_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
+    """One Linear layer's ghost norm in chunks (as shipped) and over the whole batch."""
+    n, t, d_in, d_out = shape
+    layer = nn.Linear(d_in, d_out, device=device)
+    a, b = torch.randn(n, t, d_in, device=device), torch.randn(n, t, d_out, device=device)
+    shipped = nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK
+
+    def chunks() -> torch.Tensor:
+        return _sync(OuterProduct(layer.weight, layer.bias, a, b).sq_norms())
+
+    def whole() -> torch.Tensor:
+        nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
+        try:
+            return chunks()
+        finally:
+            nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK = shipped
+
+    ms = _interleaved({"chunks": chunks, "whole batch": whole}, repeats)
+    return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
+
+
+def tied_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
+    """A tied embedding and output layer: one ghost norm over both uses, and the uses' per-sample gradients summed."""
+    n, t, vocab, width = shape
+    embedding = nn.Embedding(vocab, width, device=device)
+    head = nn.Linear(width, vocab, bias=False, device=device)
+    head.weight = embedding.weight
+    idx = torch.randint(0, vocab, (n, t), device=device)
+    hidden, logits_grad = torch.randn(n, t, width, device=device), torch.randn(n, t, vocab, device=device)
+    token_grad = torch.randn(n, t, width, device=device)
+
+    def uses() -> list:
+        return [OuterProduct(head.weight, None, hidden, logits_grad), EmbeddingPart(embedding, idx, token_grad)]
+
+    def ghost() -> torch.Tensor:
+        return _sync(tied_part(embedding.weight, uses()).sq_norms())
+
+    def instantiated() -> torch.Tensor:
+        return _sync(tied(embedding.weight, [use.take(embedding.weight) for use in uses()]).sq_norms())
+
+    ms = _interleaved({"ghost": ghost, "instantiated": instantiated}, repeats)
+    return {"shape": list(shape), **ms, "ratio": ms["ghost"] / ms["instantiated"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    result = {
+        "command": "python benchmarks/ghost_norms.py " + f"--threads {args.threads} --repeats {args.repeats}",
+        "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()})",
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "chunks": [chunk_row(shape, args.repeats, args.device) for shape in CHUNK_SHAPES],
+        "tied": [tied_row(shape, args.repeats, args.device) for shape in TIED_SHAPES],
+    }
+    print("ghost norm of a Linear layer, ms (median); [records, positions, d_in, d_out]")
+    for row in result["chunks"]:
+        times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
+        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
+    print("tied embedding and head, ms (median); [records, positions, vocabulary, width]")
+    for row in result["tied"]:
+        times = f"ghost {row['ghost']:8.2f}  instantiated {row['instantiated']:8.2f}"
+        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
+    out = Path(args.out or f"benchmarks/results/ghost_norms_{args.device.split(':')[0]}")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
