@@ -8,6 +8,7 @@ Two tables, each variant timed in the same process, interleaved call by call (me
 - **chunks**: ``OuterProduct.sq_norms`` of a Linear layer's ghost norm (random inputs ``a: [n, T, d_in]`` and output
   gradients ``b: [n, T, d_out]``) with ``norm_bounds.GHOST_CHUNK`` as shipped, and with it raised past the batch (the
   whole batch at once, as before chunking). Small layers fit in one chunk, so both columns run the same code there.
+- **embedding**: the same for an ``nn.Embedding``'s ghost norm (``EmbeddingPart.sq_norms``).
 - **tied**: the norm of a tied weight used by an embedding and an output layer at GPT-2-like sizes (the 2-layer GPT-2
   of ``overhead.py``: 5,000 tokens, width 128, 64 positions): one ghost norm over both uses' positions
   (``tied.TiedGhost``) against the uses' per-sample gradients formed and summed (``parts.tied``), which is what a use
@@ -36,6 +37,8 @@ from lightning_oso.per_sample.tied import tied_part
 
 #: (records, positions, d_in, d_out): a transformer's projection, a 5,000-token head at two lengths, a wide MLP block
 CHUNK_SHAPES = [(64, 32, 128, 128), (64, 32, 128, 5000), (64, 64, 128, 5000), (64, 64, 768, 3072)]
+#: (records, positions, vocabulary, width): an embedding's ghost norm (a short and a long record)
+EMBEDDING_SHAPES = [(64, 64, 5000, 128), (32, 512, 30000, 768)]
 #: (records, positions, vocabulary, width)
 TIED_SHAPES = [(64, 64, 5000, 128), (16, 64, 5000, 128)]
 
@@ -68,6 +71,28 @@ def chunk_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> di
 
     def chunks() -> torch.Tensor:
         return _sync(OuterProduct(layer.weight, layer.bias, a, b).sq_norms())
+
+    def whole() -> torch.Tensor:
+        nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
+        try:
+            return chunks()
+        finally:
+            nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK = shipped
+
+    ms = _interleaved({"chunks": chunks, "whole batch": whole}, repeats)
+    return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
+
+
+def embedding_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
+    """One embedding's ghost norm in chunks (as shipped) and over the whole batch."""
+    n, t, vocab, width = shape
+    embedding = nn.Embedding(vocab, width, device=device)
+    idx = torch.randint(0, vocab, (n, t), device=device)
+    b = torch.randn(n, t, width, device=device)
+    shipped = nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK
+
+    def chunks() -> torch.Tensor:
+        return _sync(EmbeddingPart(embedding, idx, b).sq_norms())
 
     def whole() -> torch.Tensor:
         nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
@@ -118,10 +143,15 @@ def main() -> None:
         "threads": args.threads,
         "torch": torch.__version__,
         "chunks": [chunk_row(shape, args.repeats, args.device) for shape in CHUNK_SHAPES],
+        "embedding": [embedding_row(shape, args.repeats, args.device) for shape in EMBEDDING_SHAPES],
         "tied": [tied_row(shape, args.repeats, args.device) for shape in TIED_SHAPES],
     }
     print("ghost norm of a Linear layer, ms (median); [records, positions, d_in, d_out]")
     for row in result["chunks"]:
+        times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
+        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
+    print("ghost norm of an embedding, ms (median); [records, positions, vocabulary, width]")
+    for row in result["embedding"]:
         times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
         print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
     print("tied embedding and head, ms (median); [records, positions, vocabulary, width]")

@@ -313,6 +313,14 @@ MUTANTS = (
         "a chunked ghost norm reads the first chunk's output gradients for every chunk: others' values bound a record",
     ),
     Mutant(
+        "embedding_chunk_wrong_indices",
+        "lightning_oso/per_sample/embedding.py",
+        "_ghost_sq_norms(self.idx[i : i + step], self.b[i : i + step])",
+        "_ghost_sq_norms(self.idx[0:step], self.b[i : i + step])",
+        ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
+        "a chunked embedding ghost norm pairs each chunk's output gradients with the first chunk's token indices",
+    ),
+    Mutant(
         "noise_on_every_rank",
         "lightning_oso/strategies/release.py",
         "return self._process.global_rank == 0",

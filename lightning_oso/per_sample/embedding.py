@@ -57,30 +57,17 @@ class EmbeddingPart:
         ``R^2 = sum_{t,s} [idx_t = idx_s] ||b_t|| ||b_s|| = sum_rows (sum_{t in row} ||b_t||)^2`` in place of
         ``(sum_t ||b_t||)^2`` (tighter where tokens differ)."""
         n, t, d = self.b.shape
-        dtype, device = self.b.dtype, self.b.device
-        u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
-        u_mm = nb.input_roundoff(device, "matmul")
         if self.taken or self.norm_dropped:
-            return torch.zeros(n, dtype=torch.float64, device=device)
+            return torch.zeros(n, dtype=torch.float64, device=self.b.device)
         if t == 1:
             return nb.sq_norm_upper(self.b)
-        sb = nb.Scaled(self.b)
-        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(dtype)  # exact 0/1
-        gram = torch.bmm(sb.value, sb.value.transpose(1, 2))
-        norms = nb.gram_row_norms_upper(gram, d, nb.kernel_error(d, u, u_mm))  # [n, T] float64, >= ||b_t||
-        ghost_sum = gram.mul_(same).sum(dim=2).double().sum(dim=1)
-        del gram
-        # R^2 = sum_t ||b_t|| (sum_s same_ts ||b_s||): the inner sums by a matrix product of non-negative terms,
-        # relative error alpha_T, on norms rounded up to the compute dtype
-        alpha_t = nb.kernel_error(t, u, u_mm)
-        inner = torch.bmm(same, nb.round_up(norms, dtype).unsqueeze(2)).squeeze(2).double()
-        inner = (inner + t * tau) / (1.0 - alpha_t) if alpha_t < 1 else torch.full_like(inner, math.inf)
-        r2 = (norms * inner).sum(dim=1) * (1.0 + nb.gamma(t, U64)) * nb.F64
-        eps = (1 + nb.kernel_error(d, u, u_mm)) * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, U64)) - 1
-        eta = 2 * t * t * (d + 2) * tau
-        sq = torch.minimum(r2, ghost_sum.clamp_min(0) + eps * r2 + eta) if math.isfinite(eps) else r2
-        bound = sq.sqrt() * nb.F64 + t * math.sqrt(d) * tau  # + the scaling's underflow
-        return nb.with_nan(nb.times(bound.square_().mul_(nb.F64), sb.factor.square(), dtype), sb.finite)
+        # a few records at a time (as ``linear``'s ghost norm): each chunk's scaled copy and Gram matrices are fresh
+        # pages once; each record's bound is computed from its own values alone either way
+        chunk = nb.GHOST_CHUNK if self.b.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
+        step = max(1, chunk // (t * (d + t)))
+        if n <= step:
+            return _ghost_sq_norms(self.idx, self.b)
+        return torch.cat([_ghost_sq_norms(self.idx[i : i + step], self.b[i : i + step]) for i in range(0, n, step)])
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         if self.taken:
@@ -121,6 +108,31 @@ class EmbeddingPart:
         error = nb.sq_norm_upper(self.b).sqrt_().mul_(nb.gamma(t, u) * math.sqrt(t) * nb.F64)
         self.taken = True
         return held.reshape(n, rows, d), error.add_(t * math.sqrt(d) * tau)
+
+
+def _ghost_sq_norms(idx: Tensor, b: Tensor) -> Tensor:
+    """:meth:`EmbeddingPart.sq_norms` (``T > 1``) of the records of ``idx`` (``[n, T]``) and ``b`` (``[n, T, d]``)."""
+    _, t, d = b.shape
+    dtype, device = b.dtype, b.device
+    u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+    u_mm = nb.input_roundoff(device, "matmul")
+    sb = nb.Scaled(b)
+    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(dtype)  # exact 0/1
+    gram = torch.bmm(sb.value, sb.value.transpose(1, 2))
+    norms = nb.gram_row_norms_upper(gram, d, nb.kernel_error(d, u, u_mm))  # [n, T] float64, >= ||b_t||
+    ghost_sum = gram.mul_(same).sum(dim=2).double().sum(dim=1)
+    del gram
+    # R^2 = sum_t ||b_t|| (sum_s same_ts ||b_s||): the inner sums by a matrix product of non-negative terms,
+    # relative error alpha_T, on norms rounded up to the compute dtype
+    alpha_t = nb.kernel_error(t, u, u_mm)
+    inner = torch.bmm(same, nb.round_up(norms, dtype).unsqueeze(2)).squeeze(2).double()
+    inner = (inner + t * tau) / (1.0 - alpha_t) if alpha_t < 1 else torch.full_like(inner, math.inf)
+    r2 = (norms * inner).sum(dim=1) * (1.0 + nb.gamma(t, U64)) * nb.F64
+    eps = (1 + nb.kernel_error(d, u, u_mm)) * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, U64)) - 1
+    eta = 2 * t * t * (d + 2) * tau
+    sq = torch.minimum(r2, ghost_sum.clamp_min(0) + eps * r2 + eta) if math.isfinite(eps) else r2
+    bound = sq.sqrt() * nb.F64 + t * math.sqrt(d) * tau  # + the scaling's underflow
+    return nb.with_nan(nb.times(bound.square_().mul_(nb.F64), sb.factor.square(), dtype), sb.finite)
 
 
 _BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
