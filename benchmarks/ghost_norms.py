@@ -1,5 +1,5 @@
-"""Ghost norms: taken a few records at a time or over the whole batch, and a tied weight's as one ghost norm or as
-the instantiated sum of its uses.
+"""Per-sample norms taken a few records at a time or over the whole batch, and a tied weight's as one ghost norm or
+as the instantiated sum of its uses.
 
     python benchmarks/ghost_norms.py [--threads 2] [--repeats 15]
 
@@ -9,6 +9,8 @@ Two tables, each variant timed in the same process, interleaved call by call (me
   gradients ``b: [n, T, d_out]``) with ``norm_bounds.GHOST_CHUNK`` as shipped, and with it raised past the batch (the
   whole batch at once, as before chunking). Small layers fit in one chunk, so both columns run the same code there.
 - **embedding**: the same for an ``nn.Embedding``'s ghost norm (``EmbeddingPart.sq_norms``).
+- **LayerNorm**: the same for a LayerNorm's per-sample gradients and their bounds (``normalisation.layer_norm``,
+  which recomputes the normalised input, a copy of the layer's activations).
 - **tied**: the norm of a tied weight used by an embedding and an output layer at GPT-2-like sizes (the 2-layer GPT-2
   of ``overhead.py``: 5,000 tokens, width 128, 64 positions): one ghost norm over both uses' positions
   (``tied.TiedGhost``) against the uses' per-sample gradients formed and summed (``parts.tied``), which is what a use
@@ -32,6 +34,7 @@ from torch import nn
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.embedding import EmbeddingPart
 from lightning_oso.per_sample.linear import OuterProduct
+from lightning_oso.per_sample.normalisation import layer_norm
 from lightning_oso.per_sample.parts import tied
 from lightning_oso.per_sample.tied import tied_part
 
@@ -39,6 +42,8 @@ from lightning_oso.per_sample.tied import tied_part
 CHUNK_SHAPES = [(64, 32, 128, 128), (64, 32, 128, 5000), (64, 64, 128, 5000), (64, 64, 768, 3072)]
 #: (records, positions, vocabulary, width): an embedding's ghost norm (a short and a long record)
 EMBEDDING_SHAPES = [(64, 64, 5000, 128), (32, 512, 30000, 768)]
+#: (records, positions, width): a LayerNorm's per-sample part (a short and a long record)
+LAYER_NORM_SHAPES = [(64, 64, 128), (32, 512, 768)]
 #: (records, positions, vocabulary, width)
 TIED_SHAPES = [(64, 64, 5000, 128), (16, 64, 5000, 128)]
 
@@ -105,6 +110,27 @@ def embedding_row(shape: tuple[int, int, int, int], repeats: int, device: str) -
     return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
 
 
+def layer_norm_row(shape: tuple[int, int, int], repeats: int, device: str) -> dict:
+    """A LayerNorm's per-sample gradients and bounds (``normalisation.layer_norm``) in chunks and over the batch."""
+    n, t, width = shape
+    layer = nn.LayerNorm(width, device=device)
+    x, g = torch.randn(n, t, width, device=device), torch.randn(n, t, width, device=device)
+    shipped = nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK
+
+    def chunks() -> torch.Tensor:
+        return _sync(layer_norm(layer, [(x,)], [g]).sq_norms())
+
+    def whole() -> torch.Tensor:
+        nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
+        try:
+            return chunks()
+        finally:
+            nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK = shipped
+
+    ms = _interleaved({"chunks": chunks, "whole batch": whole}, repeats)
+    return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
+
+
 def tied_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
     """A tied embedding and output layer: one ghost norm over both uses, and the uses' per-sample gradients summed."""
     n, t, vocab, width = shape
@@ -144,6 +170,7 @@ def main() -> None:
         "torch": torch.__version__,
         "chunks": [chunk_row(shape, args.repeats, args.device) for shape in CHUNK_SHAPES],
         "embedding": [embedding_row(shape, args.repeats, args.device) for shape in EMBEDDING_SHAPES],
+        "layer_norm": [layer_norm_row(shape, args.repeats, args.device) for shape in LAYER_NORM_SHAPES],
         "tied": [tied_row(shape, args.repeats, args.device) for shape in TIED_SHAPES],
     }
     print("ghost norm of a Linear layer, ms (median); [records, positions, d_in, d_out]")
@@ -152,6 +179,10 @@ def main() -> None:
         print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
     print("ghost norm of an embedding, ms (median); [records, positions, vocabulary, width]")
     for row in result["embedding"]:
+        times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
+        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
+    print("LayerNorm's per-sample part, ms (median); [records, positions, width]")
+    for row in result["layer_norm"]:
         times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
         print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
     print("tied embedding and head, ms (median); [records, positions, vocabulary, width]")

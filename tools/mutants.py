@@ -321,6 +321,14 @@ MUTANTS = (
         "a chunked embedding ghost norm pairs each chunk's output gradients with the first chunk's token indices",
     ),
     Mutant(
+        "normalisation_chunk_wrong_records",
+        "lightning_oso/per_sample/normalisation.py",
+        "compute(layer, [(x[0][i : i + step],) for x in inputs], [g[i : i + step] for g in backprops])",
+        "compute(layer, [(x[0][i : i + step],) for x in inputs], [g[0:step] for g in backprops])",
+        ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
+        "a chunked LayerNorm/GroupNorm part pairs each chunk's inputs with the first chunk's output gradients",
+    ),
+    Mutant(
         "noise_on_every_rank",
         "lightning_oso/strategies/release.py",
         "return self._process.global_rank == 0",

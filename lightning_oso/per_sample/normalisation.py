@@ -5,6 +5,8 @@ over positions taken by blocks so that their rounding stays bounded
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +17,39 @@ from lightning_oso.per_sample.parts import U64, Instantiated, accumulate
 from lightning_oso.per_sample.registry import register_fast_path
 
 
+def _by_records(
+    compute: Callable[[Any, list[tuple], list[Tensor]], Instantiated],
+    layer: nn.Module,
+    inputs: list[tuple],
+    backprops: list[Tensor],
+) -> Instantiated:
+    """``compute(layer, inputs, backprops)`` a few records at a time (``nb.GHOST_CHUNK`` entries of the output
+    gradients on a CPU), the chunks' per-sample gradients and bounds joined: the layer recomputes its normalised input,
+    a copy of its activations, and a batch-sized copy is fresh pages at every step (35-45% of the time on a
+    ``[32, 512, 768]`` LayerNorm). Each record's gradient and bound come from its own values alone either way."""
+    n = backprops[0].shape[0]
+    per_record = max(sum(math.prod(g.shape[1:]) for g in backprops), 1)
+    chunk = nb.GHOST_CHUNK if backprops[0].device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
+    step = max(1, chunk // per_record)
+    if n <= step:
+        return compute(layer, inputs, backprops)
+    chunks = [
+        compute(layer, [(x[0][i : i + step],) for x in inputs], [g[i : i + step] for g in backprops])
+        for i in range(0, n, step)
+    ]
+    params = list(chunks[0].grads)
+    return Instantiated(
+        {p: torch.cat([c.grads[p] for c in chunks]) for p in params},
+        bounds={p: torch.cat([c.bounds[p] for c in chunks]) for p in params},
+    )
+
+
 @register_fast_path(nn.LayerNorm)
 def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    return _by_records(_layer_norm, layer, inputs, backprops)
+
+
+def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
     parts = []
     size = math.prod(layer.normalized_shape)
     for x, g in zip(inputs, backprops):
@@ -29,6 +62,10 @@ def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]
 
 @register_fast_path(nn.GroupNorm)
 def group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    return _by_records(_group_norm, layer, inputs, backprops)
+
+
+def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
     parts = []
     for x, g in zip(inputs, backprops):
         x_hat = F.group_norm(x[0].to(g.dtype), layer.num_groups, eps=layer.eps)
