@@ -61,13 +61,8 @@ class EmbeddingPart:
             return torch.zeros(n, dtype=torch.float64, device=self.b.device)
         if t == 1:
             return nb.sq_norm_upper(self.b)
-        # a few records at a time (as ``linear``'s ghost norm): each chunk's scaled copy and Gram matrices are fresh
-        # pages once; each record's bound is computed from its own values alone either way
-        chunk = nb.GHOST_CHUNK if self.b.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
-        step = max(1, chunk // (t * (d + t)))
-        if n <= step:
-            return _ghost_sq_norms(self.idx, self.b)
-        return torch.cat([_ghost_sq_norms(self.idx[i : i + step], self.b[i : i + step]) for i in range(0, n, step)])
+        # a few records at a time: each chunk's scaled copy and Gram matrices are fresh pages once
+        return nb.in_record_chunks(_ghost_sq_norms, [self.idx, self.b], t * (d + t))
 
     def weighted_sums(self, weights: Tensor) -> Sums:
         if self.taken:

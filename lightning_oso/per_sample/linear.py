@@ -221,20 +221,9 @@ class OuterProduct:
 def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
     """:meth:`OuterProduct.sq_norms`'s ghost norm (``T > 1``) of the weight and, where ``per_sample_bias`` (the held
     ``sum_t b_t``, ``[n, d_out]``) is given, of the bias: float64 ``[n]``. A few records at a time
-    (``nb.GHOST_CHUNK``); each record's bound is computed from its own values alone either way."""
-    n, t, d_in = a.shape
-    chunk = nb.GHOST_CHUNK if a.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
-    step = max(1, chunk // max(t * (d_in + b.shape[2] + t), 1))
-    if n <= step:
-        return _ghost_sq_norms_chunk(a, b, per_sample_bias)
-    return torch.cat(
-        [
-            _ghost_sq_norms_chunk(
-                a[i : i + step], b[i : i + step], per_sample_bias[i : i + step] if per_sample_bias is not None else None
-            )
-            for i in range(0, n, step)
-        ]
-    )
+    (``nb.in_record_chunks``); each record's bound is computed from its own values alone either way."""
+    _, t, d_in = a.shape
+    return nb.in_record_chunks(_ghost_sq_norms_chunk, [a, b, per_sample_bias], t * (d_in + b.shape[2] + t))
 
 
 def _ghost_sq_norms_chunk(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:

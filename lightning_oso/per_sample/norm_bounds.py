@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -45,10 +45,10 @@ FLOAT64_ROUTE_LIMIT = 1 << 20
 #: the most entries ``sq_norm_upper`` bounds in one go on a CPU; a larger batch is taken in chunks of whole samples
 NORM_CHUNK = 1 << 20
 #: the most entries (records x positions x the widths of the two factors, plus a Gram matrix's row) a ghost norm
-#: (``linear.OuterProduct``, ``tied.TiedGhost``) bounds in one go on a CPU: its scaled copies and Gram matrices are
-#: then fresh pages once per chunk, not one model-sized temporary per call; 25-35% faster than the whole batch at
-#: once on a head of 5,000 outputs, no change on small layers (which fit in one chunk), and twice as fast as 1M
-#: entries on GPT-2's tied embedding (fewer small operations)
+#: (``linear``, ``embedding``, ``tied``) or a normalisation part computes in one go on a CPU (``record_slices``): its
+#: scaled copies and Gram matrices are then fresh pages once per chunk, not one model-sized temporary per call; 25-35%
+#: faster than the whole batch at once on a head of 5,000 outputs, no change on small layers (which fit in one chunk),
+#: and twice as fast as 1M entries on GPT-2's tied embedding (fewer small operations)
 GHOST_CHUNK = 1 << 22
 #: the same on an accelerator, where each chunk costs its ten or so kernel launches and the cache argument for small
 #: chunks does not hold: a chunk's temporary (its scaled float32 copy) is at most 64 MB
@@ -181,6 +181,27 @@ def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
     # diagonal that the caller's ghost sum still reads
     diagonal = gram.diagonal(dim1=1, dim2=2).to(torch.float64, copy=True)
     return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
+
+
+def record_slices(n: int, per_record: int, device: torch.device) -> list[slice]:
+    """The records ``0..n-1`` cut into chunks of at most :data:`GHOST_CHUNK` entries on a CPU (at most
+    :data:`ACCELERATOR_NORM_CHUNK` elsewhere), ``per_record`` entries each (its positions times the widths of its
+    factors and temporaries), at least one record a chunk: a computation's batch-sized temporaries are then fresh pages
+    once per chunk, not one large allocation per call. The cut depends on shapes alone, never on values."""
+    chunk = GHOST_CHUNK if device.type == "cpu" else ACCELERATOR_NORM_CHUNK
+    step = max(1, chunk // max(per_record, 1))
+    return [slice(i, i + step) for i in range(0, n, step)] or [slice(0, 0)]
+
+
+def in_record_chunks(compute: Callable[..., Tensor], tensors: Sequence[Tensor | None], per_record: int) -> Tensor:
+    """``compute(*tensors)`` (tensors of records along dim 0, ``None`` passed as it is) on each chunk of
+    :func:`record_slices`, the results (``[records]`` each) concatenated. ``compute`` must bound each record from its
+    own values alone, so that the chunks change nothing but the order of a kernel's sums."""
+    first = next(x for x in tensors if x is not None)
+    slices = record_slices(first.shape[0], per_record, first.device)
+    if len(slices) == 1:
+        return compute(*tensors)
+    return torch.cat([compute(*(x[s] if x is not None else None for x in tensors)) for s in slices])
 
 
 def sq_norm_upper(x: Tensor) -> Tensor:

@@ -23,20 +23,15 @@ def _by_records(
     inputs: list[tuple],
     backprops: list[Tensor],
 ) -> Instantiated:
-    """``compute(layer, inputs, backprops)`` a few records at a time (``nb.GHOST_CHUNK`` entries of the output
-    gradients on a CPU), the chunks' per-sample gradients and bounds joined: the layer recomputes its normalised input,
-    a copy of its activations, and a batch-sized copy is fresh pages at every step (35-45% of the time on a
-    ``[32, 512, 768]`` LayerNorm). Each record's gradient and bound come from its own values alone either way."""
-    n = backprops[0].shape[0]
-    per_record = max(sum(math.prod(g.shape[1:]) for g in backprops), 1)
-    chunk = nb.GHOST_CHUNK if backprops[0].device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
-    step = max(1, chunk // per_record)
-    if n <= step:
+    """``compute(layer, inputs, backprops)`` a few records at a time (``nb.record_slices`` of the output gradients),
+    the chunks' per-sample gradients and bounds joined: the layer recomputes its normalised input, a copy of its
+    activations, and a batch-sized copy is fresh pages at every step (35-45% of the time on a ``[32, 512, 768]``
+    LayerNorm). Each record's gradient and bound come from its own values alone either way."""
+    per_record = sum(math.prod(g.shape[1:]) for g in backprops)
+    slices = nb.record_slices(backprops[0].shape[0], per_record, backprops[0].device)
+    if len(slices) == 1:
         return compute(layer, inputs, backprops)
-    chunks = [
-        compute(layer, [(x[0][i : i + step],) for x in inputs], [g[i : i + step] for g in backprops])
-        for i in range(0, n, step)
-    ]
+    chunks = [compute(layer, [(x[0][s],) for x in inputs], [g[s] for g in backprops]) for s in slices]
     params = list(chunks[0].grads)
     return Instantiated(
         {p: torch.cat([c.grads[p] for c in chunks]) for p in params},

@@ -81,24 +81,10 @@ class TiedGhost:
         cols = cat_positions([p.cols for p in self.dense + self.index])  # [n, T, c]: dense positions first
         dense_rows = cat_positions([p.rows for p in self.dense]) if self.dense else None  # type: ignore[misc]
         idx = cat_positions([p.row_index for p in self.index]) if self.index else None  # type: ignore[misc]
-        n, t, c = cols.shape
+        _, t, c = cols.shape
         width = t * (c + (dense_rows.shape[2] if dense_rows is not None else 0) + t)
-        chunk = nb.GHOST_CHUNK if cols.device.type == "cpu" else nb.ACCELERATOR_NORM_CHUNK
-        step = max(1, chunk // max(width, 1))
-        if n <= step:
-            return self._sq_norms(cols, dense_rows, idx)
-        # a few samples at a time, as ``nb.sq_norm_upper``: each chunk's scaled copies and Gram matrices are fresh
-        # pages only once; each sample's bound is computed alone either way
-        return torch.cat(
-            [
-                self._sq_norms(
-                    cols[i : i + step],
-                    dense_rows[i : i + step] if dense_rows is not None else None,
-                    idx[i : i + step] if idx is not None else None,
-                )
-                for i in range(0, n, step)
-            ]
-        )
+        # a few records at a time: each chunk's scaled copies and Gram matrices are fresh pages once
+        return nb.in_record_chunks(self._sq_norms, [cols, dense_rows, idx], width)
 
     def _sq_norms(self, cols: Tensor, dense_rows: Tensor | None, idx: Tensor | None) -> Tensor:
         n, t, c = cols.shape
