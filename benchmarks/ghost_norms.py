@@ -26,6 +26,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,15 +68,12 @@ def _sync(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def chunk_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
-    """One Linear layer's ghost norm in chunks (as shipped) and over the whole batch."""
-    n, t, d_in, d_out = shape
-    layer = nn.Linear(d_in, d_out, device=device)
-    a, b = torch.randn(n, t, d_in, device=device), torch.randn(n, t, d_out, device=device)
+def _chunks_against_whole(shape: tuple[int, ...], bound: Callable[[], torch.Tensor], repeats: int) -> dict:
+    """``bound()`` with the chunk sizes as shipped, and with them raised past the batch (the whole batch at once)."""
     shipped = nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK
 
     def chunks() -> torch.Tensor:
-        return _sync(OuterProduct(layer.weight, layer.bias, a, b).sq_norms())
+        return _sync(bound())
 
     def whole() -> torch.Tensor:
         nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
@@ -88,47 +86,29 @@ def chunk_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> di
     return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
 
 
+def chunk_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
+    """One Linear layer's ghost norm."""
+    n, t, d_in, d_out = shape
+    layer = nn.Linear(d_in, d_out, device=device)
+    a, b = torch.randn(n, t, d_in, device=device), torch.randn(n, t, d_out, device=device)
+    return _chunks_against_whole(shape, lambda: OuterProduct(layer.weight, layer.bias, a, b).sq_norms(), repeats)
+
+
 def embedding_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
-    """One embedding's ghost norm in chunks (as shipped) and over the whole batch."""
+    """One embedding's ghost norm."""
     n, t, vocab, width = shape
     embedding = nn.Embedding(vocab, width, device=device)
     idx = torch.randint(0, vocab, (n, t), device=device)
     b = torch.randn(n, t, width, device=device)
-    shipped = nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK
-
-    def chunks() -> torch.Tensor:
-        return _sync(EmbeddingPart(embedding, idx, b).sq_norms())
-
-    def whole() -> torch.Tensor:
-        nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
-        try:
-            return chunks()
-        finally:
-            nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK = shipped
-
-    ms = _interleaved({"chunks": chunks, "whole batch": whole}, repeats)
-    return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
+    return _chunks_against_whole(shape, lambda: EmbeddingPart(embedding, idx, b).sq_norms(), repeats)
 
 
 def layer_norm_row(shape: tuple[int, int, int], repeats: int, device: str) -> dict:
-    """A LayerNorm's per-sample gradients and bounds (``normalisation.layer_norm``) in chunks and over the batch."""
+    """A LayerNorm's per-sample gradients and bounds (``normalisation.layer_norm``)."""
     n, t, width = shape
     layer = nn.LayerNorm(width, device=device)
     x, g = torch.randn(n, t, width, device=device), torch.randn(n, t, width, device=device)
-    shipped = nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK
-
-    def chunks() -> torch.Tensor:
-        return _sync(layer_norm(layer, [(x,)], [g]).sq_norms())
-
-    def whole() -> torch.Tensor:
-        nb.GHOST_CHUNK = nb.ACCELERATOR_NORM_CHUNK = 1 << 62
-        try:
-            return chunks()
-        finally:
-            nb.GHOST_CHUNK, nb.ACCELERATOR_NORM_CHUNK = shipped
-
-    ms = _interleaved({"chunks": chunks, "whole batch": whole}, repeats)
-    return {"shape": list(shape), **ms, "ratio": ms["chunks"] / ms["whole batch"]}
+    return _chunks_against_whole(shape, lambda: layer_norm(layer, [(x,)], [g]).sq_norms(), repeats)
 
 
 def tied_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict:
