@@ -150,6 +150,8 @@ class ProposalTable:
             density at the anchor ``m = exp(-anchor^2 / (2 s^2))``, its ``N`` buckets and one constant ``K`` that keeps
             every ``f`` at most 1; 0 for the sentinel.
         inv_two_var: ``1 / (2 s^2)``, 0-dim float64.
+        packed: on a CPU, ``start``, ``sure``, ``never`` and ``block`` as the columns of one ``[buckets, 4]`` array,
+            as the compiled loop reads them (:func:`kernel_fields`); ``None`` elsewhere (built when needed).
     """
 
     block: Tensor
@@ -160,6 +162,7 @@ class ProposalTable:
     anchor: Tensor
     factor: Tensor
     inv_two_var: Tensor
+    packed: Tensor | None = None
 
 
 def _blocks(layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -278,16 +281,46 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     def with_sentinel(values: Tensor, fill: float | int) -> Tensor:
         return torch.cat([values, torch.full((1,), fill, dtype=values.dtype, device=device)])
 
+    start = torch.index_select(constants.start_and_sentinel, 0, block)
+    sure = torch.index_select(with_sentinel(sure, 0), 0, block)
+    never = torch.index_select(with_sentinel(never, 0), 0, block)
     return ProposalTable(  # the scale-free fields are shared between tables: a table is never written
         block=block,
-        start=torch.index_select(constants.start_and_sentinel, 0, block),
-        sure=torch.index_select(with_sentinel(sure, 0), 0, block),
-        never=torch.index_select(with_sentinel(never, 0), 0, block),
+        start=start,
+        sure=sure,
+        never=never,
         mask=constants.mask_and_sentinel,
         anchor=constants.anchor_and_sentinel,
         factor=with_sentinel(factor, 0.0),
         inv_two_var=inv_two_var,
+        packed=_packed(start, sure, never, block) if device.type == "cpu" else None,
     )
+
+
+def _packed(start: Tensor, sure: Tensor, never: Tensor, block: Tensor) -> Tensor:
+    """The per-bucket fields as the compiled loop reads them: one row of four int64 per bucket (two buckets' rows in
+    a cache line, where four arrays would cost four reads from four places); see ``exact_noise_kernel.START``."""
+    return torch.stack([start, sure, never, block], dim=1)
+
+
+def _table(scale: Tensor, layout: Layout, bucket_bits: int) -> ProposalTable:
+    """:func:`proposal_table` of ``scale`` (0-dim), kept on a CPU for the last few scales drawn at
+    (:data:`_CPU_TABLES`): a table takes about half a millisecond to build, a rule with a fixed noise draws at one
+    scale every step, and OSO at two, one of which (its direction query's) never changes. A cached table is the one
+    the scale would build (the same float64 value builds the same table) and is never written."""
+    if scale.device.type != "cpu":
+        return proposal_table(scale, layout, bucket_bits)  # reading an accelerator's scale would stall the host
+    return _cpu_table(float(scale), tuple(tuple(run) for run in layout), bucket_bits)  # a CPU tensor: no device read
+
+
+#: How many proposal tables (about a megabyte each) a CPU keeps (:func:`_table`): OSO's two scales, the quantile
+#: rule's count, and a spare.
+_CPU_TABLES = 4
+
+
+@functools.lru_cache(maxsize=_CPU_TABLES)
+def _cpu_table(scale: float, layout: Layout, bucket_bits: int) -> ProposalTable:
+    return proposal_table(torch.tensor(scale, dtype=torch.float64), layout, bucket_bits)
 
 
 def acceptance(value: Tensor, bucket: Tensor, table: ProposalTable) -> Tensor:
@@ -362,21 +395,17 @@ def discrete_gaussian(
     if scale.device.type != "cpu" and _COMPILED_ON_CPU and count <= _HOST_DRAW_MAX:
         return _draw_on_host(shape, scale, words, layout, bucket_bits, add_to)
     if add_to is not None:
-        _draw(
-            count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1)
-        )
+        _draw(count, _table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits, add_to.view(-1))
         return add_to
     if scale.numel() == 1:
-        return _draw(count, proposal_table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(
-            shape
-        )
+        return _draw(count, _table(scale.reshape(()), layout, bucket_bits), words, layout, bucket_bits).reshape(shape)
     # several scales (one per row of a release): one table each, in the order of their first appearance
     scales = scale.expand(shape).reshape(-1)
     values, which = torch.unique(scales, return_inverse=True)  # settings (noise levels), never data
     out = torch.empty(count, dtype=torch.int64, device=scale.device)
     for k in range(values.numel()):
         index = (which == k).nonzero().squeeze(1)
-        out[index] = _draw(index.numel(), proposal_table(values[k], layout, bucket_bits), words, layout, bucket_bits)
+        out[index] = _draw(index.numel(), _table(values[k], layout, bucket_bits), words, layout, bucket_bits)
     return out.reshape(shape)
 
 
@@ -506,7 +535,9 @@ def _draw_compiled(
 def kernel_fields(table: ProposalTable, layout: Layout, bucket_bits: int) -> tuple:
     """The arguments of ``exact_noise_kernel.fill`` that describe ``table`` (a CPU one): the per-bucket fields packed
     in one array (columns ``kernel.START``, ``SURE``, ``NEVER``, ``BLOCK``), the per-block ones, and the constants."""
-    bucket_table = torch.stack([table.start, table.sure, table.never, table.block], dim=1)
+    bucket_table = (
+        table.packed if table.packed is not None else _packed(table.start, table.sure, table.never, table.block)
+    )
     return (
         bucket_table.numpy(),
         table.mask.numpy(),

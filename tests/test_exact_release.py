@@ -586,3 +586,33 @@ print(loaded, len(exact_noise_kernel.fill.signatures))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["2", "2"]  # both loaded by prepare, none added by the draws
+
+
+def test_a_kept_proposal_table_draws_what_a_freshly_built_one_draws():
+    """On a CPU the last few tables are kept by their scale's value (``exact_noise._table``): a rule with a fixed noise
+    draws at one scale every step, OSO's direction query too. A kept table must be the very table the scale builds
+    (same fields bit for bit, so the same words give the same draws), one per scale: a scale one ulp away gets its
+    own, and the cache holds no more than its few tables."""
+    exact_noise._cpu_table.cache_clear()
+    scale = torch.tensor(1.37 * 2**30, dtype=torch.float64)
+    kept = exact_noise._table(scale, exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS)
+    assert exact_noise._table(scale.clone(), exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS) is kept
+    fresh = exact_noise.proposal_table(scale)
+    for field in dataclasses.fields(exact_noise.ProposalTable):
+        assert torch.equal(getattr(kept, field.name), getattr(fresh, field.name)), field.name
+    assert torch.equal(kept.packed, torch.stack([fresh.start, fresh.sure, fresh.never, fresh.block], dim=1))
+
+    def draws(table: exact_noise.ProposalTable) -> torch.Tensor:
+        words = KeyedWords(np.random.SeedSequence(11)).words
+        return exact_noise._draw(50_000, table, words, exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS)
+
+    assert torch.equal(draws(kept), draws(fresh))
+    assert torch.equal(exact_noise.discrete_gaussian((50_000,), scale, KeyedWords(np.random.SeedSequence(11)).words),
+                       draws(fresh))  # fmt: skip
+
+    neighbour = torch.nextafter(scale, torch.tensor(math.inf, dtype=torch.float64))
+    other = exact_noise._table(neighbour, exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS)
+    assert other is not kept and float(other.inv_two_var) != float(kept.inv_two_var)
+    for k in range(2 * exact_noise._CPU_TABLES):
+        exact_noise._table(scale * (1 + k * 1e-3), exact_noise.RELEASE_LAYOUT, exact_noise.BUCKET_BITS)
+    assert exact_noise._cpu_table.cache_info().currsize == exact_noise._CPU_TABLES

@@ -278,6 +278,14 @@ MUTANTS = (
         "a record with a NaN or inf gradient multiplied by its weight 0 (NaN) instead of left out",
     ),
     Mutant(
+        "proposal_table_kept_for_another_scale",
+        "lightning_oso/exact_noise.py",
+        "_cpu_table(float(scale),",
+        "_cpu_table(float(2**30),",
+        ("tests/test_exact_release.py::test_a_kept_proposal_table_draws_what_a_freshly_built_one_draws",),
+        "the CPU's kept proposal tables are looked up without the scale: every release draws at one stale noise level",
+    ),
+    Mutant(
         "tied_ghost_cross_term_once",
         "lightning_oso/per_sample/tied.py",
         "* (2 * f_r)",
