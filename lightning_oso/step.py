@@ -466,9 +466,34 @@ def average(sums: Sequence[Tensor], expected_batch_size: float) -> list[Tensor]:
 
 def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     """Inner product of two vectors stored as lists of per-parameter tensors (a 0-dim tensor on their device): the
-    OSO rule's update from released values."""
+    OSO rule's update from released values. Where both lists are laid end to end in one buffer each (the release's
+    per-parameter views of its one flat vector, ``add_gaussian_noise``), one dot product over the buffers replaces a
+    dot product per parameter."""
+    flat_a, flat_b = laid_end_to_end(a), laid_end_to_end(b)
+    if flat_a is not None and flat_b is not None and flat_a.dtype == flat_b.dtype and flat_a.shape == flat_b.shape:
+        return torch.dot(flat_a, flat_b)
     products = []
     for x, y in zip(a, b):
         dtype = torch.promote_types(x.dtype, y.dtype)  # released values are float64; a caller's may be narrower
         products.append(torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype)))
     return torch.stack(products).sum()
+
+
+def laid_end_to_end(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The tensors as one flat view of the buffer that holds them, where each is contiguous and starts where the
+    one before it ends in the same storage (same dtype and device); else ``None``. Reads only the tensors' layout."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if not (
+            t.is_contiguous()
+            and t.dtype == first.dtype
+            and t.device == first.device
+            and t.untyped_storage().data_ptr() == storage
+            and t.storage_offset() == offset
+        ):
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())

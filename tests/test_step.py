@@ -173,3 +173,25 @@ def test_oso_update_rule_signs():
     factor = rule.update(_released(t([-1.0, -1.0]), t([0.0, 0.0])))
     assert factor.item() == pytest.approx(math.exp(-0.2))
     assert rule.clip.item() == pytest.approx(1.0)
+
+
+def test_flat_dot_over_the_releases_buffer_is_the_dot_product_and_looks_at_layout_only():
+    """The OSO update's inner products (``step.flat_dot``) take one dot product over the buffer the release laid its
+    per-parameter views in; anything else (views out of order, a gap, a transposed view, another dtype or storage) takes
+    a dot product per parameter. Either way the value is the inner product of the two vectors."""
+    generator = torch.Generator().manual_seed(3)
+    sums = [torch.randn(1, 5, 3, generator=generator), torch.randn(1, 3, generator=generator), torch.randn(1, 2, 7)]
+    first = [r[0] for r in step.add_gaussian_noise(sums, torch.tensor([0.5], dtype=torch.float64), generator)]
+    second = [r[0] for r in step.add_gaussian_noise(sums, torch.tensor([0.5], dtype=torch.float64), generator)]
+    flat_first = step.laid_end_to_end(first)
+    assert flat_first is not None and flat_first.shape == (15 + 3 + 14,) and step.laid_end_to_end(second) is not None
+    assert torch.equal(flat_first, torch.cat([t.reshape(-1) for t in first]))
+    expected = sum(float((x.double() * y.double()).sum()) for x, y in zip(first, second))
+    assert float(step.flat_dot(first, second)) == pytest.approx(expected, rel=1e-12)
+    for other in (first[::-1], first[:1] + first[2:], [first[0].t(), *first[1:]], [t.float() for t in first]):
+        assert step.laid_end_to_end(other) is None
+    assert float(step.flat_dot(first[::-1], second[::-1])) == pytest.approx(expected, rel=1e-12)
+    narrow = [t.float() for t in second]  # a float32 vector beside a float64 one: per parameter, promoted
+    assert float(step.flat_dot(first, narrow)) == pytest.approx(
+        sum(float((x * y.double()).sum()) for x, y in zip(first, narrow)), rel=1e-12
+    )
