@@ -151,7 +151,8 @@ class ProposalTable:
             every ``f`` at most 1; 0 for the sentinel.
         inv_two_var: ``1 / (2 s^2)``, 0-dim float64.
         packed: on a CPU, ``start``, ``sure``, ``never`` and ``block`` as the columns of one ``[buckets, 4]`` array,
-            as the compiled loop reads them (:func:`kernel_fields`); ``None`` elsewhere (built when needed).
+            as the compiled loop reads them (:func:`kernel_fields`; the four fields are its columns' views), ``None``
+            elsewhere.
     """
 
     block: Tensor
@@ -281,9 +282,16 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
     def with_sentinel(values: Tensor, fill: float | int) -> Tensor:
         return torch.cat([values, torch.full((1,), fill, dtype=values.dtype, device=device)])
 
-    start = torch.index_select(constants.start_and_sentinel, 0, block)
-    sure = torch.index_select(with_sentinel(sure, 0), 0, block)
-    never = torch.index_select(with_sentinel(never, 0), 0, block)
+    per_block = (constants.start_and_sentinel, with_sentinel(sure, 0), with_sentinel(never, 0))
+    if device.type == "cpu":
+        # one gather of the four per-bucket fields into the rows the compiled loop reads (exact_noise_kernel.START):
+        # the fields are views of it, no second copy
+        rows = torch.stack([*per_block, torch.arange(blocks + 1, device=device)], dim=1)
+        packed = torch.index_select(rows, 0, block)
+        start, sure, never, block = packed.unbind(1)
+    else:
+        packed = None
+        start, sure, never = (torch.index_select(field, 0, block) for field in per_block)
     return ProposalTable(  # the scale-free fields are shared between tables: a table is never written
         block=block,
         start=start,
@@ -293,14 +301,8 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
         anchor=constants.anchor_and_sentinel,
         factor=with_sentinel(factor, 0.0),
         inv_two_var=inv_two_var,
-        packed=_packed(start, sure, never, block) if device.type == "cpu" else None,
+        packed=packed,
     )
-
-
-def _packed(start: Tensor, sure: Tensor, never: Tensor, block: Tensor) -> Tensor:
-    """The per-bucket fields as the compiled loop reads them: one row of four int64 per bucket (two buckets' rows in
-    a cache line, where four arrays would cost four reads from four places); see ``exact_noise_kernel.START``."""
-    return torch.stack([start, sure, never, block], dim=1)
 
 
 def _table(scale: Tensor, layout: Layout, bucket_bits: int) -> ProposalTable:
@@ -313,9 +315,9 @@ def _table(scale: Tensor, layout: Layout, bucket_bits: int) -> ProposalTable:
     return _cpu_table(float(scale), tuple(tuple(run) for run in layout), bucket_bits)  # a CPU tensor: no device read
 
 
-#: How many proposal tables (about a megabyte each) a CPU keeps (:func:`_table`): OSO's two scales, the quantile
-#: rule's count, and a spare.
-_CPU_TABLES = 4
+#: How many proposal tables (about 600 KB each) a CPU keeps (:func:`_table`): OSO's two scales (its gradient's, which
+#: changes every step, and its direction query's, which never does), or the quantile rule's gradient and count.
+_CPU_TABLES = 2
 
 
 @functools.lru_cache(maxsize=_CPU_TABLES)
@@ -535,9 +537,9 @@ def _draw_compiled(
 def kernel_fields(table: ProposalTable, layout: Layout, bucket_bits: int) -> tuple:
     """The arguments of ``exact_noise_kernel.fill`` that describe ``table`` (a CPU one): the per-bucket fields packed
     in one array (columns ``kernel.START``, ``SURE``, ``NEVER``, ``BLOCK``), the per-block ones, and the constants."""
-    bucket_table = (
-        table.packed if table.packed is not None else _packed(table.start, table.sure, table.never, table.block)
-    )
+    bucket_table = table.packed
+    if bucket_table is None:  # a table built elsewhere (a test's): its fields in the loop's rows
+        bucket_table = torch.stack([table.start, table.sure, table.never, table.block], dim=1)
     return (
         bucket_table.numpy(),
         table.mask.numpy(),
