@@ -328,3 +328,27 @@ def test_history_events_and_stored_triples():
     assert acc.epsilon() == compute_epsilon([(1.5, 0.02, 10), (2.0, 0.02, 5)], 1e-5)
     with pytest.raises(ValueError, match="negative number of steps"):
         SubsampledGaussian(1.0, 0.1, -1)
+
+
+@pytest.mark.parametrize(("noise", "rate"), [(1.0, 0.02), (0.7, 0.004), (3.0, 0.5), (0.025, 1.0), (0.6, 1e-4)])
+def test_the_prv_cdf_of_one_point_is_the_cdf_of_the_grid(noise, rate):
+    """The PRV's mean is integrated point by point (scipy's quad through Opacus' truncated PRV), so the CDF of one
+    point takes a path of its own (plain floats): it must be the CDF the grid's pmf is made of, to rounding, across
+    the support and its edges (below ``log(1 - q)``, the full-batch ``q = 1`` far left where ``e^t`` underflows, past
+    the ``t ~ 709`` where ``exp`` overflows), truncated or not."""
+    from lightning_oso.accounting import prv as prv_module
+
+    prv = prv_module._subsampled_gaussian_prv(noise, rate)
+    edge = math.log1p(-rate) if rate < 1 else -800.0
+    ts = np.concatenate(
+        [np.linspace(edge - 1, edge + 1, 401), np.linspace(-2, 3, 501), np.logspace(-8, 3.2, 300), [-1e6, 1e6]]
+    )
+    grid = prv.cdf(ts)
+    points = np.array([prv.cdf(float(t)) for t in ts])
+    np.testing.assert_allclose(points, grid, rtol=1e-12, atol=1e-14)
+    # truncated where it cuts real mass on both sides (the accountant's cuts hold almost none)
+    ts = np.sort(ts)
+    grid = prv.cdf(ts)
+    t_min, t_max = ts[np.searchsorted(grid, 0.2)], ts[np.searchsorted(grid, 0.9)]
+    truncated = prv_module._truncated_prv(prv, float(t_min), float(t_max))
+    np.testing.assert_allclose([truncated.cdf(float(t)) for t in ts], truncated.cdf(ts), rtol=1e-12, atol=1e-14)

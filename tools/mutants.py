@@ -286,6 +286,15 @@ MUTANTS = (
         "the CPU's kept proposal tables are looked up without the scale: every release draws at one stale noise level",
     ),
     Mutant(
+        "prv_mean_of_an_untruncated_cdf",
+        "lightning_oso/accounting/prv.py",
+        "(self._prv.cdf(t) - self._below) / self._mass",
+        "self._prv.cdf(t) / self._mass",
+        ("tests/test_accounting.py::test_the_prv_cdf_of_one_point_is_the_cdf_of_the_grid",),
+        "the PRV's mean is integrated on a CDF that is not the truncated one: the discretisation's mean shift, and so "
+        "epsilon, comes out wrong",
+    ),
+    Mutant(
         "tied_ghost_cross_term_once",
         "lightning_oso/per_sample/tied.py",
         "* (2 * f_r)",

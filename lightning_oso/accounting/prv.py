@@ -102,8 +102,23 @@ def _poisson_subsampled_gaussian_prv_class() -> type:
 
 def _truncated_prv(prv: Any, t_min: float, t_max: float) -> Any:
     """opacus 1.6.0: ``TruncatedPrivacyRandomVariable(prv, t_min, t_max)``, with ``cdf`` (from ``prv.cdf``) and
-    ``mean()`` (numerical integration of its ``cdf``)."""
-    return _opacus_prv("TruncatedPrivacyRandomVariable")(prv=prv, t_min=t_min, t_max=t_max)
+    ``mean()`` (numerical integration of its ``cdf``); subclassed here for the ``cdf`` of one point."""
+
+    class _Truncated(_opacus_prv("TruncatedPrivacyRandomVariable")):  # type: ignore[misc]
+        def __init__(self, prv: Any, t_min: float, t_max: float) -> None:
+            super().__init__(prv=prv, t_min=t_min, t_max=t_max)
+            self._below = np.float64(prv.cdf(float(t_min)))
+            self._mass = np.float64(prv.cdf(float(t_max))) - self._below  # numpy's division: no mass gives NaN
+
+        def cdf(self, t):
+            if np.ndim(t) == 0:  # mean() integrates point by point (scipy's quad): Opacus' formula on plain floats
+                t = float(t)
+                if t < self.t_min:
+                    return 0.0
+                return (self._prv.cdf(t) - self._below) / self._mass if t < self.t_max else 1.0
+            return super().cdf(t)
+
+    return _Truncated(prv=prv, t_min=t_min, t_max=t_max)
 
 
 def _compose_heterogeneous(dprvs: list, steps: Sequence[int | float]) -> Any:
@@ -219,6 +234,8 @@ def _subsampled_gaussian_prv(noise: float, rate: float):
     class _PRV(_poisson_subsampled_gaussian_prv_class()):  # type: ignore[misc]
         def cdf(self, t):
             q, sigma = self.sample_rate, self.noise_multiplier
+            if np.ndim(t) == 0:  # the truncated PRV's mean integrates point by point: plain floats, ~10x cheaper
+                return _scalar_cdf(float(t), q, sigma)
             t = np.asarray(t, dtype=float)
             out = np.zeros_like(t)
             support = t > (math.log1p(-q) if q < 1 else -math.inf)  # q = 1: the plain Gaussian, support all t
@@ -230,6 +247,24 @@ def _subsampled_gaussian_prv(noise: float, rate: float):
             return out
 
     return _PRV(sample_rate=rate, noise_multiplier=noise)
+
+
+def _scalar_cdf(t: float, q: float, sigma: float) -> float:
+    """The subsampled Gaussian PRV's CDF at one point (:func:`_subsampled_gaussian_prv`'s formula in ``math``), for
+    the numerical integration of its mean (``scipy.integrate.quad`` calls the CDF once per point)."""
+    if not t > (math.log1p(-q) if q < 1 else -math.inf):
+        return 0.0
+    if t <= 1.0:
+        ratio = math.expm1(t) / q  # -1 only where q = 1 and e^t underflows: z = -inf, the CDF 0, as numpy gives
+        z = math.log1p(ratio) if ratio > -1.0 else -math.inf
+    else:
+        z = t + math.log1p((q - 1) * math.exp(-t)) - math.log(q)
+    scale = 2 * math.sqrt(2) * sigma
+    return (
+        1.0
+        - q * math.erfc((2 * z * sigma**2 - 1) / scale) / 2
+        - (1 - q) * math.erfc((2 * z * sigma**2 + 1) / scale) / 2
+    )
 
 
 def _discrete_epsilon(dprv, delta: float, delta_error: float, eps_error: float) -> tuple[float, float]:
