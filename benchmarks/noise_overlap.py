@@ -1,5 +1,7 @@
 """Does drawing the noise off the critical path pay? The noise is data-independent, so it could be drawn while
-backward runs. Measured on the benchmark MLP (784-512-512-10, one model-sized Gaussian per step):
+backward runs. Measured on the benchmark MLP (784-512-512-10, one model-sized draw of the exact release's discrete
+Gaussian integers per step, ``exact_noise.discrete_gaussian`` from the release's word source; on a CPU its compiled
+loop releases the GIL):
 
 - ``after``: forward + backward, then the draw (what the private step does);
 - ``overlapped``: the draw started first (a Python thread on the CPU, a side stream on CUDA), forward + backward
@@ -30,6 +32,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import MLP
 
+from lightning_oso import exact_noise
+from lightning_oso.randomness import NOISE, RunRandomness, words_of
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,8 +50,9 @@ def main() -> None:
     size = sum(p.numel() for p in net.parameters())
     x = torch.randn(args.batch_size, 784, device=device)
     y = torch.randint(0, 10, (args.batch_size,), device=device)
-    noise = torch.empty(size, device=device)
-    generator = torch.Generator(device=device).manual_seed(1)
+    scale = torch.tensor(1.5 * 2.0**exact_noise.GRID_BITS, dtype=torch.float64, device=device)
+    stream = RunRandomness(seed=1).generator(NOISE, 1, device=device)  # the release's word source
+    exact_noise.prepare(device)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def sync() -> None:
@@ -58,7 +64,7 @@ def main() -> None:
         nn.functional.cross_entropy(net(x), y).backward()
 
     def draw() -> None:
-        noise.normal_(generator=generator)
+        exact_noise.discrete_gaussian((size,), scale, words_of(stream))
 
     def after() -> None:
         forward_backward()
@@ -72,7 +78,7 @@ def main() -> None:
             forward_backward()
             torch.cuda.current_stream(device).wait_stream(side)
             return
-        worker = threading.Thread(target=draw)  # torch releases the GIL inside normal_
+        worker = threading.Thread(target=draw)  # the compiled loop and numpy's words release the GIL
         worker.start()
         forward_backward()
         worker.join()
