@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -528,13 +530,17 @@ def test_through_the_trainer_one_record_moves_the_release_by_at_most_the_bound(
 # ------------------------------------------------------------------------------ squared norms taken in chunks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1, 37, 64, 10**9])
-def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk):
+@pytest.mark.parametrize("route", ["compiled", "torch"])
+def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk, route):
     """``sq_norm_upper`` takes a large batch a few samples at a time (``NORM_CHUNK``, for speed): wherever the chunk
     boundaries fall, every record's bound is at least its exact squared norm and within a hair of it, a record with
-    a NaN or inf gets a non-finite bound and only it, and no chunk mixes one record's values into another's."""
+    a NaN or inf gets a non-finite bound and only it, and no chunk mixes one record's values into another's. On a
+    CPU float32 values go through one compiled pass (``norm_kernel``, no chunks); ``torch`` checks the routes an
+    accelerator takes."""
     from lightning_oso.per_sample import norm_bounds as nb
 
     monkeypatch.setattr(nb, "NORM_CHUNK", chunk)
+    monkeypatch.setattr(nb, "COMPILED_SQUARES", route == "compiled")
     g = torch.Generator().manual_seed(0)
     finfo = torch.finfo(dtype)
     x = torch.randn(23, 3, 7, generator=g, dtype=torch.float64)
@@ -560,3 +566,47 @@ def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk):
         assert Fraction(bound[i].item()) <= exact * Fraction(10001, 10000) + Fraction(1e-300), i
         alone = nb.sq_norm_upper(x[i : i + 1])[0].item()  # the same record bounded on its own
         assert bound[i].item() == pytest.approx(alone, rel=1e-5, abs=1e-300), i
+
+
+@pytest.mark.parametrize("route", ["compiled", "torch"])
+def test_sq_norm_upper_of_a_large_record_at_float32s_limits(monkeypatch, route):
+    """A record past the float64 route's size (``FLOAT64_ROUTE_LIMIT``) with entries at float32's largest and smallest
+    magnitudes, laid out non-contiguously: its bound is finite and above its exact squared norm, within a hair of it
+    on the compiled pass (which squares in float64 whatever the size), within the float32 sum's margin on the scaled
+    route."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    monkeypatch.setattr(nb, "COMPILED_SQUARES", route == "compiled")
+    finfo = torch.finfo(torch.float32)
+    per_record = nb.FLOAT64_ROUTE_LIMIT + 12_345
+    x = torch.zeros(per_record, 3)  # records along dim 1, transposed below: a view that is not contiguous
+    x[:, 0] = torch.linspace(-1.0, 1.0, per_record) * finfo.max
+    x[:, 1] = finfo.tiny * 2**-20  # subnormal
+    x[::7, 2] = 3.0
+    x[5, 2] = -finfo.max
+    records = x.t()
+    assert not records.is_contiguous()
+    bound = nb.sq_norm_upper(records)
+    # the compiled pass only rounds a float64 sum; the scaled route sums a million float32 squares (gamma32: 6%)
+    slack = 1e-6 if route == "compiled" else 0.1
+    for i in range(3):
+        exact = math.fsum(v * v for v in records[i].double().tolist())
+        assert math.isfinite(bound[i].item()) and exact <= bound[i].item() <= exact * (1 + slack) + 1e-300, i
+
+
+def test_prepare_loads_the_squared_norms_loop_and_the_norms_add_no_other():
+    """``norm_bounds.prepare`` (called by the DP callbacks when ``fit`` starts) leaves the CPU's compiled squared norms
+    loaded, so that no private step compiles or loads it, and the norms of any float32 tensor (contiguous or not, empty
+    or not) then use that one compiled version. Checked in a fresh interpreter, where nothing has loaded the loop."""
+    code = """
+import torch
+from lightning_oso.per_sample import norm_bounds, norm_kernel
+assert len(norm_kernel.sums_of_squares.signatures) == 0
+norm_bounds.prepare("cpu")
+loaded = len(norm_kernel.sums_of_squares.signatures)
+for x in (torch.randn(4, 3, 5), torch.randn(5, 4).t(), torch.zeros(0, 7), torch.zeros(3, 0)):
+    norm_bounds.sq_norm_upper(x)
+print(loaded, len(norm_kernel.sums_of_squares.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]

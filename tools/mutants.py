@@ -295,6 +295,18 @@ MUTANTS = (
         "epsilon, comes out wrong",
     ),
     Mutant(
+        "compiled_squares_in_float32",
+        "lightning_oso/per_sample/norm_kernel.py",
+        "value = np.float64(x[i, j])",
+        "value = x[i, j]",
+        (
+            "tests/test_sensitivity.py::test_sq_norm_upper_of_a_large_record_at_float32s_limits",
+            "tests/test_sensitivity.py::test_sq_norm_upper_in_chunks_bounds_every_record",
+        ),
+        "the CPU's squared norms square float32 values in float32: a huge record's norm overflows, a small one's "
+        "squares round",
+    ),
+    Mutant(
         "tied_ghost_cross_term_once",
         "lightning_oso/per_sample/tied.py",
         "* (2 * f_r)",

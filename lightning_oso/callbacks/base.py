@@ -36,6 +36,7 @@ from lightning_oso.callbacks.arguments import (
 )
 from lightning_oso.clipping import ClippingRule
 from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.per_sample import norm_bounds
 from lightning_oso.strategies import GRAD_SAMPLE_MODES, DPStrategy, PrivacyPlan, PrivateTraining
 from lightning_oso.validation import (
     check_bool,
@@ -257,6 +258,7 @@ class DPCallback(Callback, abc.ABC):
         self._hand_plan(plan)
         self._training.attach_hooks()
         exact_noise.prepare(trainer.strategy.root_device)  # the sampler's compiled loop, before any step
+        norm_bounds.prepare(trainer.strategy.root_device)  # and the squared norms' one
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

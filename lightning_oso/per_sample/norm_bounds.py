@@ -42,8 +42,12 @@ from torch import Tensor
 #: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond,
 #: the scaled float32 route is faster on CPU)
 FLOAT64_ROUTE_LIMIT = 1 << 20
-#: the most entries ``sq_norm_upper`` bounds in one go on a CPU; a larger batch is taken in chunks of whole samples
+#: the most entries ``sq_norm_upper`` bounds in one go on a CPU (where the compiled loop is off) or for a 16-bit
+#: tensor there (its float32 copy); a larger batch is taken in chunks of whole samples
 NORM_CHUNK = 1 << 20
+#: float32 squared norms on a CPU by the compiled loop (``norm_kernel``), any size; the tests switch it off to check
+#: the torch routes an accelerator takes
+COMPILED_SQUARES = True
 #: the most entries (records x positions x the widths of the two factors, plus a Gram matrix's row) a ghost norm
 #: (``linear``, ``embedding``, ``tied``) or a normalisation part computes in one go on a CPU (``record_slices``): its
 #: scaled copies and Gram matrices are then fresh pages once per chunk, not one model-sized temporary per call; 25-35%
@@ -211,6 +215,10 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     non-finite entry."""
     n = x.shape[0]
     per_sample = math.prod(x.shape[1:])
+    if x.dtype == torch.float32 and x.device.type == "cpu" and COMPILED_SQUARES:
+        # the float64 route in one compiled pass, no copy (norm_kernel): any size, no chunks
+        total = _compiled_sums_of_squares(x.reshape(n, per_sample))
+        return total.mul_(F64 / (1.0 - gamma(per_sample, unit_roundoff(torch.float64))))
     chunk = NORM_CHUNK if x.device.type == "cpu" else ACCELERATOR_NORM_CHUNK
     if n > 1 and n * per_sample > chunk:
         # a few samples at a time: each chunk's temporaries (a scaled or float64 copy) stay in cache and in memory
@@ -241,6 +249,25 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     absolute = 2 * rows * last * t * F64**2 / (1.0 - gamma(last, u)) + rows * last * t * t * (1 + 2.0**40)
     bound = partial.sum(dim=1).mul_(relative).add_(absolute)
     return with_nan(times(bound, scaled.factor.square(), x.dtype), scaled.finite)
+
+
+def prepare(device: torch.device | str) -> None:
+    """Loads the compiled loop of the CPU's squared norms (``norm_kernel``) before training, so that the first
+    private step does not compile or load it (a second or two on the first use ever). Reads no data."""
+    if torch.device(device).type == "cpu" and COMPILED_SQUARES:
+        from lightning_oso.per_sample import norm_kernel
+
+        norm_kernel.warm_up()
+
+
+def _compiled_sums_of_squares(x: Tensor) -> Tensor:
+    """``sum_j x[i, j]^2`` in float64 per row of a float32 CPU tensor ``[n, P]`` (``norm_kernel``)."""
+    from lightning_oso.per_sample import norm_kernel  # numba compiles (or loads) the loop on first use
+
+    values = x.detach().contiguous()
+    out = torch.empty(values.shape[0], dtype=torch.float64)
+    norm_kernel.sums_of_squares(values.numpy(), out.numpy())  # shares memory: the kernel writes the tensor
+    return out
 
 
 def times(bound: Tensor, factor: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
