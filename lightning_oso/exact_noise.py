@@ -312,7 +312,8 @@ def _table(scale: Tensor, layout: Layout, bucket_bits: int) -> ProposalTable:
     the scale would build (the same float64 value builds the same table) and is never written."""
     if scale.device.type != "cpu":
         return proposal_table(scale, layout, bucket_bits)  # reading an accelerator's scale would stall the host
-    return _cpu_table(float(scale), tuple(tuple(run) for run in layout), bucket_bits)  # a CPU tensor: no device read
+    # the value from the CPU tensor's memory: no device read
+    return _cpu_table(float(scale.numpy()), tuple(tuple(run) for run in layout), bucket_bits)
 
 
 #: How many proposal tables (about 600 KB each) a CPU keeps (:func:`_table`): OSO's two scales (its gradient's, which

@@ -280,7 +280,7 @@ MUTANTS = (
     Mutant(
         "proposal_table_kept_for_another_scale",
         "lightning_oso/exact_noise.py",
-        "_cpu_table(float(scale),",
+        "_cpu_table(float(scale.numpy()),",
         "_cpu_table(float(2**30),",
         ("tests/test_exact_release.py::test_a_kept_proposal_table_draws_what_a_freshly_built_one_draws",),
         "the CPU's kept proposal tables are looked up without the scale: every release draws at one stale noise level",
