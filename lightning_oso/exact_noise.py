@@ -307,7 +307,7 @@ def proposal_table(scale: Tensor, layout: Layout = RELEASE_LAYOUT, bucket_bits: 
 
 def _table(scale: Tensor, layout: Layout, bucket_bits: int) -> ProposalTable:
     """:func:`proposal_table` of ``scale`` (0-dim), kept on a CPU for the last few scales drawn at
-    (:data:`_CPU_TABLES`): a table takes about half a millisecond to build, a rule with a fixed noise draws at one
+    (:data:`_CPU_TABLES`): a table takes about 0.3 ms to build, a rule with a fixed noise draws at one
     scale every step, and OSO at two, one of which (its direction query's) never changes. A cached table is the one
     the scale would build (the same float64 value builds the same table) and is never written."""
     if scale.device.type != "cpu":

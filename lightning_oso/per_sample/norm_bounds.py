@@ -23,11 +23,11 @@ standard rounding-error model (Higham, *Accuracy and Stability of Numerical Algo
 
 Overflow: before products that could overflow, each sample's tensors are rescaled by a power of two (``Scaled``:
 exact, up to underflow of entries below ``2^-126`` of the sample's largest one, which the absolute terms cover) so
-that their largest entry is near 1, and the scale is put back in float64; small float32 sums of squares are taken in
-float64 instead, where squares of float32 values are exact. A finite record thus never yields an infinite or NaN
-bound; a bound is only infinite where the norm itself exceeds the compute dtype's range once rounded back (see
-``round_up``). A record with NaN or inf in its tensors gets a NaN (or infinite) bound: the private step gives it
-weight 0 in every sum (``step.clip_and_sum``).
+that their largest entry is near 1, and the scale is put back in float64; float32 sums of squares are taken in
+float64 instead, where squares of float32 values are exact (``sq_norm_upper``). A finite record thus never yields an
+infinite or NaN bound; a bound is only infinite where the norm itself exceeds the compute dtype's range once rounded
+back (see ``round_up``). A record with NaN or inf in its tensors gets a NaN (or infinite) bound: the private step
+gives it weight 0 in every sum (``step.clip_and_sum``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-#: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``): 8 MB (beyond,
-#: the scaled float32 route is faster on CPU)
+#: the largest float32 tensor whose squared norms are taken through a float64 copy (``sq_norm_upper``) where the
+#: compiled loop does not run (an accelerator): 8 MB; beyond, the scaled float32 route
 FLOAT64_ROUTE_LIMIT = 1 << 20
 #: the most entries ``sq_norm_upper`` bounds in one go on a CPU (where the compiled loop is off) or for a 16-bit
 #: tensor there (its float32 copy); a larger batch is taken in chunks of whole samples
@@ -210,7 +210,9 @@ def in_record_chunks(compute: Callable[..., Tensor], tensors: Sequence[Tensor | 
 
 def sq_norm_upper(x: Tensor) -> Tensor:
     """Upper bound (float64, shape ``[n]``) of ``||x_i||^2`` for every sample of ``x`` (``[n, ...]``): a sum of squares,
-    no cancellation, so only a relative margin ``gamma`` and the underflow terms. Scaled per sample (no overflow),
+    no cancellation, so only a relative margin ``gamma`` and the underflow terms. float32 values are squared in
+    float64, where their squares are exact (on a CPU in one compiled pass, ``norm_kernel``, at any size; elsewhere
+    through a float64 copy up to :data:`FLOAT64_ROUTE_LIMIT`); otherwise each sample is scaled (no overflow), its
     squares summed along the last dim in the compute dtype and the partial sums in float64. NaN for a sample with a
     non-finite entry."""
     n = x.shape[0]
