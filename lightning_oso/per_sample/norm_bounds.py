@@ -217,12 +217,11 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     non-finite entry."""
     n = x.shape[0]
     per_sample = math.prod(x.shape[1:])
-    if x.dtype == torch.float32 and x.device.type == "cpu" and COMPILED_SQUARES:
-        # the float64 route in one compiled pass, no copy (norm_kernel): any size, no chunks
-        total = _compiled_sums_of_squares(x.reshape(n, per_sample))
-        return total.mul_(F64 / (1.0 - gamma(per_sample, unit_roundoff(torch.float64))))
+    # on a CPU float32 squares are summed in float64 by one compiled pass (norm_kernel): no copy, so no size limit
+    # and no chunks; a 16-bit tensor is still taken in chunks, for its float32 copy
+    compiled = x.device.type == "cpu" and COMPILED_SQUARES
     chunk = NORM_CHUNK if x.device.type == "cpu" else ACCELERATOR_NORM_CHUNK
-    if n > 1 and n * per_sample > chunk:
+    if n > 1 and n * per_sample > chunk and not (compiled and x.dtype == torch.float32):
         # a few samples at a time: each chunk's temporaries (a scaled or float64 copy) stay in cache and in memory
         # the allocator keeps, where one model-sized temporary would be fresh pages every step (4-6x slower on CPU,
         # benchmarks/step_profile.py). Each sample's bound is computed alone either way
@@ -234,12 +233,13 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     rows = math.prod(x.shape[1:]) // last if last else 0
     if last == 0 or rows == 0:
         return torch.zeros(n, dtype=torch.float64, device=x.device)
-    if x.dtype == torch.float32 and x.numel() <= FLOAT64_ROUTE_LIMIT:
+    if x.dtype == torch.float32 and (compiled or x.numel() <= FLOAT64_ROUTE_LIMIT):
         # float32 values squared in float64 are exact and can neither overflow nor underflow: only the float64 sum
-        # of P non-negative terms rounds, within gamma64_P. Fewer, cheaper operations than scaling, at the price of a
-        # float64 copy (hence the size limit)
+        # of P non-negative terms rounds, within gamma64_P in any order. Fewer, cheaper operations than scaling; with
+        # torch at the price of a float64 copy (hence the size limit off the compiled pass)
         per_sample = rows * last
-        total = x.reshape(n, per_sample).double().square_().sum(dim=1)
+        flat = x.reshape(n, per_sample)
+        total = _compiled_sums_of_squares(flat) if compiled else flat.double().square_().sum(dim=1)
         return total.mul_(F64 / (1.0 - gamma(per_sample, unit_roundoff(torch.float64))))
     scaled = Scaled(x.reshape(n, rows, last))
     u, t, u64 = unit_roundoff(x.dtype), tiny(x.dtype), unit_roundoff(torch.float64)
