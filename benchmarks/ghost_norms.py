@@ -134,6 +134,10 @@ def tied_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dic
     return {"shape": list(shape), **ms, "ratio": ms["ghost"] / ms["instantiated"]}
 
 
+#: the variants each table compares, as its rows' keys
+CHUNKED, TIED = ("chunks", "whole batch"), ("ghost", "instantiated")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -153,22 +157,17 @@ def main() -> None:
         "layer_norm": [layer_norm_row(shape, args.repeats, args.device) for shape in LAYER_NORM_SHAPES],
         "tied": [tied_row(shape, args.repeats, args.device) for shape in TIED_SHAPES],
     }
-    print("ghost norm of a Linear layer, ms (median); [records, positions, d_in, d_out]")
-    for row in result["chunks"]:
-        times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
-        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
-    print("ghost norm of an embedding, ms (median); [records, positions, vocabulary, width]")
-    for row in result["embedding"]:
-        times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
-        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
-    print("LayerNorm's per-sample part, ms (median); [records, positions, width]")
-    for row in result["layer_norm"]:
-        times = f"chunks {row['chunks']:8.2f}  whole batch {row['whole batch']:8.2f}"
-        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
-    print("tied embedding and head, ms (median); [records, positions, vocabulary, width]")
-    for row in result["tied"]:
-        times = f"ghost {row['ghost']:8.2f}  instantiated {row['instantiated']:8.2f}"
-        print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
+    tables = (  # key, title, the two variants compared
+        ("chunks", "ghost norm of a Linear layer, ms (median); [records, positions, d_in, d_out]", CHUNKED),
+        ("embedding", "ghost norm of an embedding, ms (median); [records, positions, vocabulary, width]", CHUNKED),
+        ("layer_norm", "LayerNorm's per-sample part, ms (median); [records, positions, width]", CHUNKED),
+        ("tied", "tied embedding and head, ms (median); [records, positions, vocabulary, width]", TIED),
+    )
+    for key, title, (first, second) in tables:
+        print(title)
+        for row in result[key]:
+            times = f"{first} {row[first]:8.2f}  {second} {row[second]:8.2f}"
+            print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
     out = Path(args.out or f"benchmarks/results/ghost_norms_{args.device.split(':')[0]}")
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out.with_suffix('.json')}")
