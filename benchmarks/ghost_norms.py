@@ -1,9 +1,9 @@
-"""Per-sample norms taken a few records at a time or over the whole batch, and a tied weight's as one ghost norm or
-as the instantiated sum of its uses.
+"""Per-sample norms taken a few records at a time or over the whole batch, a tied weight's as one ghost norm or as
+the instantiated sum of its uses, and a convolution's per-sample gradients by either of their two routes.
 
     python benchmarks/ghost_norms.py [--threads 2] [--repeats 15]
 
-Two tables, each variant timed in the same process, interleaved call by call (median of ``--repeats``):
+Five tables, each variant timed in the same process, interleaved call by call (median of ``--repeats``):
 
 - **chunks**: ``OuterProduct.sq_norms`` of a Linear layer's ghost norm (random inputs ``a: [n, T, d_in]`` and output
   gradients ``b: [n, T, d_out]``) with ``norm_bounds.GHOST_CHUNK`` as shipped, and with it raised past the batch (the
@@ -15,8 +15,15 @@ Two tables, each variant timed in the same process, interleaved call by call (me
   of ``overhead.py``: 5,000 tokens, width 128, 64 positions): one ghost norm over both uses' positions
   (``tied.TiedGhost``) against the uses' per-sample gradients formed and summed (``parts.tied``), which is what a use
   that forms its own per-sample gradients gets.
+- **conv**: a convolution's part (``per_sample.conv.conv``: per-sample weight gradients and their bounds) with the
+  gradients from one forward convolution (``conv._forward_weight_grads``) and from the grouped convolution's weight
+  gradient, each forced (``conv.FORWARD_MAX_CHANNELS``, ``FORWARD_MAX_STRIDE``): which one the default takes is
+  read from this table. Shapes: the OSO paper's MNIST CNN's two layers at B = 512, a 5x5 one-channel layer, a
+  stride-2 one, a two-channel one, RGB first layers, an eight-channel one, and a one-channel 1-d layer on a raw
+  signal.
 
-Writes ``<out>.json`` (default ``benchmarks/results/ghost_norms_<device>``) and prints the tables.
+Writes ``<out>.json`` (default ``benchmarks/results/ghost_norms_<device>``, with ``_<tables>`` appended for some
+tables only) and prints the tables.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_oso.per_sample import conv as conv_part
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.embedding import EmbeddingPart
 from lightning_oso.per_sample.linear import OuterProduct
@@ -134,8 +142,54 @@ def tied_row(shape: tuple[int, int, int, int], repeats: int, device: str) -> dic
     return {"shape": list(shape), **ms, "ratio": ms["ghost"] / ms["instantiated"]}
 
 
+#: (records, C_in, C_out, kernel, spatial size, stride, dims): convolutions that instantiate their per-sample gradients
+CONV_SHAPES = [
+    (512, 1, 16, 8, 28, 1, 2),  # the MNIST CNN's first layer (padding 3)
+    (512, 16, 32, 4, 26, 1, 2),  # and its second
+    (256, 1, 32, 5, 28, 1, 2),
+    (256, 1, 32, 5, 28, 2, 2),
+    (256, 2, 16, 3, 28, 1, 2),
+    (256, 3, 32, 3, 32, 1, 2),  # an RGB first layer (CIFAR-10's size)
+    (128, 3, 64, 3, 32, 1, 2),
+    (256, 8, 16, 3, 28, 1, 2),
+    (64, 1, 32, 3, 1000, 1, 1),
+]
+
+
+def conv_row(shape: tuple[int, ...], repeats: int, device: str) -> dict:
+    """One convolution's per-sample part by the forward convolution and by the grouped one's weight gradient."""
+    n, c_in, c_out, k, size, stride, dims = shape
+    layer = (nn.Conv1d, nn.Conv2d)[dims - 1](c_in, c_out, k, stride=stride, padding=k // 2, device=device)
+    x = torch.randn(n, c_in, *(size,) * dims, device=device)
+    g = torch.randn_like(layer(x))
+    shipped = conv_part.FORWARD_MAX_CHANNELS, conv_part.FORWARD_MAX_STRIDE
+
+    def route(channels: float, strides: float) -> Callable[[], torch.Tensor]:
+        def part() -> torch.Tensor:
+            conv_part.FORWARD_MAX_CHANNELS, conv_part.FORWARD_MAX_STRIDE = channels, strides
+            try:
+                return _sync(conv_part.conv(layer, [(x,)], [g]).sq_norms())
+            finally:
+                conv_part.FORWARD_MAX_CHANNELS, conv_part.FORWARD_MAX_STRIDE = shipped
+
+        return part
+
+    ms = _interleaved({"forward": route(float("inf"), float("inf")), "grouped": route(0, 0)}, repeats)
+    return {"shape": list(shape), **ms, "ratio": ms["forward"] / ms["grouped"]}
+
+
 #: the variants each table compares, as its rows' keys
-CHUNKED, TIED = ("chunks", "whole batch"), ("ghost", "instantiated")
+CHUNKED, TIED, ROUTES = ("chunks", "whole batch"), ("ghost", "instantiated"), ("forward", "grouped")
+
+
+#: each table's row function and shapes
+ROWS: dict[str, tuple[Callable, list]] = {
+    "chunks": (chunk_row, CHUNK_SHAPES),
+    "embedding": (embedding_row, EMBEDDING_SHAPES),
+    "layer_norm": (layer_norm_row, LAYER_NORM_SHAPES),
+    "tied": (tied_row, TIED_SHAPES),
+    "conv": (conv_row, CONV_SHAPES),
+}
 
 
 def main() -> None:
@@ -144,31 +198,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--tables", nargs="+", default=list(ROWS), choices=list(ROWS), help="default: all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     result = {
-        "command": "python benchmarks/ghost_norms.py " + f"--threads {args.threads} --repeats {args.repeats}",
+        "command": "python benchmarks/ghost_norms.py "
+        + f"--threads {args.threads} --repeats {args.repeats}"
+        + (f" --tables {' '.join(args.tables)}" if args.tables != list(ROWS) else ""),
         "device": args.device if args.device != "cpu" else f"cpu ({platform.machine()})",
         "threads": args.threads,
         "torch": torch.__version__,
-        "chunks": [chunk_row(shape, args.repeats, args.device) for shape in CHUNK_SHAPES],
-        "embedding": [embedding_row(shape, args.repeats, args.device) for shape in EMBEDDING_SHAPES],
-        "layer_norm": [layer_norm_row(shape, args.repeats, args.device) for shape in LAYER_NORM_SHAPES],
-        "tied": [tied_row(shape, args.repeats, args.device) for shape in TIED_SHAPES],
     }
+    for key in args.tables:
+        row, shapes = ROWS[key]
+        result[key] = [row(shape, args.repeats, args.device) for shape in shapes]
     tables = (  # key, title, the two variants compared
         ("chunks", "ghost norm of a Linear layer, ms (median); [records, positions, d_in, d_out]", CHUNKED),
         ("embedding", "ghost norm of an embedding, ms (median); [records, positions, vocabulary, width]", CHUNKED),
         ("layer_norm", "LayerNorm's per-sample part, ms (median); [records, positions, width]", CHUNKED),
         ("tied", "tied embedding and head, ms (median); [records, positions, vocabulary, width]", TIED),
+        ("conv", "per-sample conv gradients, ms (median); [records, C_in, C_out, kernel, size, stride, dims]", ROUTES),
     )
     for key, title, (first, second) in tables:
+        if key not in result:
+            continue
         print(title)
         for row in result[key]:
             times = f"{first} {row[first]:8.2f}  {second} {row[second]:8.2f}"
             print(f"  {row['shape']!s:24} {times}  {row['ratio']:.2f}x")
-    out = Path(args.out or f"benchmarks/results/ghost_norms_{args.device.split(':')[0]}")
+    # some tables only: their own file, beside the whole run's
+    subset = "" if args.tables == list(ROWS) else "_" + "_".join(args.tables)
+    out = Path(args.out or f"benchmarks/results/ghost_norms_{args.device.split(':')[0]}{subset}")
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out.with_suffix('.json')}")
 

@@ -13,6 +13,7 @@ configuration, checked on configurations drawn at random rather than on a hand-p
 The heavier variants (more examples, longer histories) are marked ``slow``.
 """
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from torch.func import functional_call, grad, vmap
 from lightning_oso import calibrate_noise_multiplier, compute_epsilon
 from lightning_oso.accounting.prv import PRV_EPS_ERROR, prv_epsilon
 from lightning_oso.errors import PrivacyConfigurationError
+from lightning_oso.per_sample import conv
 from lightning_oso.per_sample.sources import GRAD_SAMPLE_MODES, attach, detach, source
 
 
@@ -247,6 +249,32 @@ def test_linear_per_sample_paths_equal_the_oracle(run):
 @given(run=runs(_convs))
 def test_conv_per_sample_paths_equal_the_oracle(run):
     _check_both_paths(**run)
+
+
+@contextlib.contextmanager
+def _conv_instantiation(route: str):
+    """Every convolution of one group that instantiates its per-sample weight gradients does so by one forward
+    convolution (``"forward"``, whatever its channels and strides) or by the grouped convolution's weight gradient
+    (``"grouped"``), on the CPU; only ``per_sample.conv``'s thresholds are changed, and restored."""
+    saved = conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE
+    if route == "forward":
+        conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE = math.inf, math.inf
+    else:
+        conv.FORWARD_MAX_CHANNELS = 0
+    try:
+        yield
+    finally:
+        conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE = saved
+
+
+@settings(max_examples=_examples(40))
+@given(run=runs(_convs), route=st.sampled_from(["forward", "grouped"]))
+def test_both_conv_instantiations_equal_the_oracle(run, route):
+    """The two ways of instantiating a convolution's per-sample weight gradients, each forced on every drawn layer
+    (strides, dilations, paddings and channels the default leaves to the other): norms bound the oracle's, sums
+    match."""
+    with _conv_instantiation(route):
+        _check_both_paths(**run)
 
 
 @settings(max_examples=_examples(30))

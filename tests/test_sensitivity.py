@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import clipping
 from lightning_oso.clipping import OSOClipping
-from lightning_oso.per_sample import BookKeeping, linear, per_sample_norms, weighted_sums
+from lightning_oso.per_sample import BookKeeping, conv, linear, per_sample_norms, weighted_sums
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.parts import Instantiated
 
@@ -334,6 +334,22 @@ def test_cancelling_positions_cannot_hide_a_records_norm(case, sums_path, device
         check(outcome, f"{device} {case.name} a~{scale_a:.1e} b~{scale_b:.1e} d={d:.1e} {extra}")
         worst = max(worst, outcome.clip_move)
     assert worst > 0.5  # the search reaches clipped records, where the bound is tight
+
+
+@pytest.mark.parametrize("case", [BY_NAME["conv1d_grouped"], BY_NAME["conv2d_grouped"]], ids=lambda c: c.name)
+def test_a_forward_convolutions_gradients_cannot_hide_a_records_norm(case, monkeypatch):
+    """A convolution's per-sample weight gradients as one forward convolution (``conv._forward_weight_grads``, the
+    CPU's route for one input channel at stride 1, forced here on these two-channel, stride-2 layers): the cancelling
+    records and the huge ones of the tests around this one, on the CPU, where that route runs."""
+    monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", math.inf)
+    monkeypatch.setattr(conv, "FORWARD_MAX_STRIDE", math.inf)
+    calls = []
+    forward = conv._forward_weight_grads
+    monkeypatch.setattr(conv, "_forward_weight_grads", lambda *args: calls.append(1) or forward(*args))
+    test_cancelling_positions_cannot_hide_a_records_norm(case, "two_column", "cpu", "whole")
+    for scale in (1e20, 1e30, 1e36, "max"):
+        test_huge_finite_record_gets_a_finite_norm(case, scale, "cpu")
+    assert calls, "the forward convolution was not taken"
 
 
 @pytest.mark.parametrize("case", [BY_NAME["linear_bias"], BY_NAME["linear_instantiated"]], ids=lambda c: c.name)

@@ -307,6 +307,18 @@ MUTANTS = (
         "squares round",
     ),
     Mutant(
+        "forward_conv_stride_for_stride",
+        "lightning_oso/per_sample/conv.py",
+        "        stride=dilation,",
+        "        stride=stride,",
+        (
+            "tests/test_properties.py::test_both_conv_instantiations_equal_the_oracle",
+            "tests/test_sensitivity.py::test_a_forward_convolutions_gradients_cannot_hide_a_records_norm",
+        ),
+        "a convolution's per-sample gradients by the forward convolution read the input at the layer's stride where "
+        "its dilation belongs: another layer's gradients, bounded as this one's",
+    ),
+    Mutant(
         "tied_ghost_cross_term_once",
         "lightning_oso/per_sample/tied.py",
         "* (2 * f_r)",

@@ -42,6 +42,57 @@ def _padded(layer: _ConvNd, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return x, tuple(layer.padding)  # not a string: handled above
 
 
+#: The forward convolution of :func:`_forward_weight_grads` is taken on a CPU for at most this many input channels and
+#: strides at most this large (a first layer on grey or RGB images, or on a raw signal): there the layer's part took
+#: 0.72-0.91x the time of the grouped convolution's weight gradient (1.02x for 64 output channels), at stride 2 1.25x,
+#: from eight channels on 2-3x (``python benchmarks/ghost_norms.py --tables conv``). The tests raise both to force
+#: the route.
+FORWARD_MAX_CHANNELS = 3
+FORWARD_MAX_STRIDE = 1
+
+
+def _as_forward_convolution(layer: _ConvNd, device: torch.device) -> bool:
+    """Whether the per-sample weight gradients come from one forward convolution (:func:`_forward_weight_grads`):
+    a setting of the layer and the device, never the data."""
+    return (
+        device.type == "cpu"
+        and not isinstance(layer, _TRANSPOSED)
+        and layer.groups == 1
+        and len(layer.kernel_size) <= 2
+        and layer.in_channels <= FORWARD_MAX_CHANNELS
+        and max(layer.stride) <= FORWARD_MAX_STRIDE
+    )
+
+
+def _forward_weight_grads(
+    x: Tensor,
+    g: Tensor,
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> Tensor:
+    """Per-sample weight gradients ``[n, C_out, C_in, *kernel]`` of a convolution (one group, not transposed) as one
+    forward convolution: ``G_i[o, c, u] = sum_p g_i[o, p] x_i[c, p * stride + u * dilation]`` is a convolution of
+    the input's channels (as its batch, the records as its input channels) with each record's output gradients as
+    kernels (one group per record), whose stride is the layer's dilation and whose dilation is the layer's stride;
+    its first ``kernel`` outputs per dimension are the gradient. Each entry is the same sum over the output's ``L``
+    positions as the weight gradient's, from a direct or GEMM-based kernel, so the rounding bound is the same."""
+    n, channels = x.shape[:2]
+    out_channels = g.shape[1]
+    convolve = F.conv1d if len(kernel) == 1 else F.conv2d
+    out = convolve(
+        x.transpose(0, 1),  # [C_in, n, *spatial]: the records as channels
+        g.reshape(n * out_channels, 1, *g.shape[2:]),  # each record's output gradients as its group's kernels
+        stride=dilation,
+        padding=padding,
+        dilation=stride,
+        groups=n,
+    )  # [C_in, n C_out, *at least kernel]
+    out = out[(..., *(slice(0, k) for k in kernel))]
+    return out.reshape(channels, n, out_channels, *kernel).movedim(0, 2)
+
+
 @register_fast_path(*_CONVS, *_TRANSPOSED)
 def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
     """Any convolution: ghost norm over unfolded patches where that is clearly cheaper (1-d/2-d, one group, not
@@ -97,6 +148,8 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
             # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
             # groups, which the convolution refuses; no record, so no per-sample gradient
             per_sample = g.new_zeros(0, *weight_shape)
+        elif _as_forward_convolution(layer, g.device):
+            per_sample = _forward_weight_grads(x, g, kernel, stride, padding, dilation)
         else:
             per_sample = _WEIGHT_GRAD[dims](
                 source.reshape(1, n * source.shape[1], *source.shape[2:]),
