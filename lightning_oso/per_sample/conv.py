@@ -89,7 +89,8 @@ def _forward_weight_grads(
         dilation=stride,
         groups=n,
     )  # [C_in, n C_out, *at least kernel]
-    out = out[(..., *(slice(0, k) for k in kernel))]
+    for dim, k in enumerate(kernel, start=2):
+        out = out.narrow(dim, 0, k)
     return out.reshape(channels, n, out_channels, *kernel).movedim(0, 2)
 
 
