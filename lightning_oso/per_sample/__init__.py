@@ -61,7 +61,7 @@ order, TF32/bfloat16 matmul inputs where torch's settings allow them, underflow 
   float32, over ``t`` in float64; ``R_i`` from the Gram diagonals) and ``eta`` the underflow. A cancelling record is
   thus clipped as if its norm were at least ``sqrt(eps) R_i``; an ordinary one's bound exceeds its computed norm by
   about ``eps R_i^2 / (2 ||G_i||^2)`` relative (at most ``1e-4`` on the benchmark models);
-- instantiated ``G^_i`` (a rounded sum over ``T`` positions, held for the sums; the grouped convolution's too):
+- instantiated ``G^_i`` (a rounded sum over ``T`` positions, held for the sums; a convolution's too):
   ``min((1 + alpha_T) R_i, ||G^_i|| + alpha_T R_i)``, which bounds both the exact ``G_i`` and the ``G^_i`` the sums
   are made of (``R_i`` by Cauchy-Schwarz, ``<= ||a_i|| ||b_i||``, ``sqrt(k)`` times that for a convolution with
   ``k`` kernel taps); likewise a bias's ``sum_t b_it`` with ``gamma_T``; one position: no cancellation, only
