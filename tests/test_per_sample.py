@@ -346,23 +346,29 @@ def test_half_precision_layers_get_float32_norms_and_sums():
 
 def test_split_sums_equal_the_two_column_product(monkeypatch):
     """OSO's split columns (each record in one) formed column by column from each column's records equal the
-    one-product result, for a sequence Linear (with and without the split forced) and with empty columns."""
+    one-product result, for a sequence Linear (with and without the split forced) and with empty columns; also with
+    each column's records taken a few at a time (``nb.GHOST_CHUNK``, here two records a chunk: 5 chunks of 12
+    records, the products added into the column)."""
     from lightning_oso.clipping import OSOClipping
     from lightning_oso.per_sample import linear
+    from lightning_oso.per_sample import norm_bounds as nb
 
     torch.manual_seed(0)
     layer = nn.Linear(24, 16)
     x = torch.randn(12, 5, 24) * torch.logspace(-2, 1, 12)[:, None, None]
+    shipped = nb.GHOST_CHUNK
     for clip in (1e-6, 0.5, 1e6):  # every record clipped, some, none
         results = {}
-        for threshold in (0, 2**62):
+        for variant, threshold, chunk in (("split", 0, shipped), ("chunks", 0, 2 * 5 * 40), ("dense", 2**62, shipped)):
             monkeypatch.setattr(linear, "_SPLIT_MIN_WORK", threshold)
+            monkeypatch.setattr(nb, "GHOST_CHUNK", chunk)
             bk = BookKeeping(layer, loss_reduction="sum")
             out = layer(x)
             (out * torch.linspace(-1, 1, 16)).sum().backward()
             rule = OSOClipping(noise_multiplier=1.0, initial_clip=clip)
-            results[threshold] = bk.weighted_sums(list(layer.parameters()), rule.weights(bk.norms()))
+            results[variant] = bk.weighted_sums(list(layer.parameters()), rule.weights(bk.norms()))
             bk.remove()
             layer.zero_grad()
-        for split, dense in zip(results[0], results[2**62]):
-            torch.testing.assert_close(split, dense, rtol=1e-5, atol=1e-6)
+        for variant in ("split", "chunks"):
+            for split, dense in zip(results[variant], results["dense"]):
+                torch.testing.assert_close(split, dense, rtol=1e-5, atol=1e-6)

@@ -307,6 +307,15 @@ MUTANTS = (
         "squares round",
     ),
     Mutant(
+        "split_sums_chunk_overwrites_its_column",
+        "lightning_oso/per_sample/linear.py",
+        "                            flat[k].addmm_(*product)",
+        "                            torch.mm(*product, out=flat[k])",
+        ("tests/test_per_sample.py::test_split_sums_equal_the_two_column_product",),
+        "OSO's split sums taken a few records at a time keep the last chunk's product only: the other records' "
+        "shares of the sums are dropped",
+    ),
+    Mutant(
         "forward_conv_stride_for_stride",
         "lightning_oso/per_sample/conv.py",
         "        stride=dilation,",

@@ -13,6 +13,7 @@ the package docstring (docs/algorithms.md, "Sensitivity of the fast path").
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -189,19 +190,21 @@ class OuterProduct:
             ):
                 # each record in one column only (OSO: clipped or not): one product per record, column by column
                 # (benchmarks/split_sums.py: 0.36-0.92x the time of the two-column product, where it is large enough)
-                d_in, d_out = self.a.shape[2], self.b.shape[2]
+                n, t, d_in = self.a.shape
+                d_out = self.b.shape[2]
                 flat = self.b.new_empty(len(groups), d_out, d_in)
+                # a few records at a time past nb.GHOST_CHUNK entries, as the norms are taken: each chunk's gathered
+                # copies are then memory the allocator keeps, where one batch-sized copy is fresh pages every step
+                # (GPT-2's 5,000-output head); the chunks' products are added into the column
+                step = nb.records_per_chunk(t * (d_in + d_out), self.b.device)
                 for k, rows in enumerate(groups):
-                    if rows.numel() == self.a.shape[0]:
-                        # every record in this column (OSO with every record clipped): the inputs as they are, the
-                        # same product without a gathered copy of them (which took as long as the product); the sums
-                        # are the same bit for bit, only the time differs, as it does with the groups' sizes
-                        scaled, inputs = self.b * weights[:, k, None, None], self.a
-                    else:
-                        # gathered once, scaled in place, each product written straight into its column
-                        scaled = torch.index_select(self.b, 0, rows).mul_(weights[rows, k, None, None])
-                        inputs = torch.index_select(self.a, 0, rows)
-                    torch.mm(scaled.reshape(-1, d_out).t(), inputs.reshape(-1, d_in), out=flat[k])
+                    flat[k].zero_()  # stays so for a column without records
+                    for c, (scaled, inputs) in enumerate(self._column_chunks(rows, weights[:, k], step)):
+                        product = (scaled.reshape(-1, d_out).t(), inputs.reshape(-1, d_in))
+                        if c == 0:
+                            torch.mm(*product, out=flat[k])  # written straight into its column
+                        else:
+                            flat[k].addmm_(*product)
             else:
                 n, t, d_out = self.b.shape
                 k = weights.shape[1]
@@ -216,6 +219,23 @@ class OuterProduct:
             assert self.per_sample_bias is not None  # set whenever the bias is trained
             sums[self.bias] = weights.t() @ zero_unweighted(self.per_sample_bias, weighted)
         return sums
+
+    def _column_chunks(self, rows: Tensor, column: Tensor, step: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """One column's records (``rows``, their weights in ``column``) ``step`` at a time: their output gradients
+        times their weights, and their inputs, one chunk's copies alive at a time."""
+        n = self.a.shape[0]
+        if rows.numel() == n:
+            # every record in this column (OSO with every record clipped): the inputs as they are, without a gathered
+            # copy of them (which took as long as the product); only the time differs
+            for i in range(0, n, step):
+                yield self.b[i : i + step] * column[i : i + step, None, None], self.a[i : i + step]
+            return
+        for chunk in rows.split(step):
+            # gathered once, scaled in place
+            yield (
+                torch.index_select(self.b, 0, chunk).mul_(column[chunk, None, None]),
+                torch.index_select(self.a, 0, chunk),
+            )
 
 
 def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:

@@ -52,7 +52,8 @@ COMPILED_SQUARES = True
 #: (``linear``, ``embedding``, ``tied``) or a normalisation part computes in one go on a CPU (``record_slices``): its
 #: scaled copies and Gram matrices are then fresh pages once per chunk, not one model-sized temporary per call; 25-35%
 #: faster than the whole batch at once on a head of 5,000 outputs, no change on small layers (which fit in one chunk),
-#: and twice as fast as 1M entries on GPT-2's tied embedding (fewer small operations)
+#: and twice as fast as 1M entries on GPT-2's tied embedding (fewer small operations). OSO's split sums gather each
+#: column's records in chunks of the same size (``linear.OuterProduct.weighted_sums``)
 GHOST_CHUNK = 1 << 22
 #: the same on an accelerator, where each chunk costs its ten or so kernel launches and the cache argument for small
 #: chunks does not hold: a chunk's temporary (its scaled float32 copy) is at most 64 MB
@@ -187,13 +188,19 @@ def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
     return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
 
 
+def records_per_chunk(per_record: int, device: torch.device) -> int:
+    """How many records of ``per_record`` entries each make one chunk: :data:`GHOST_CHUNK` entries on a CPU,
+    :data:`ACCELERATOR_NORM_CHUNK` elsewhere, at least one record. Shapes only, never values."""
+    chunk = GHOST_CHUNK if device.type == "cpu" else ACCELERATOR_NORM_CHUNK
+    return max(1, chunk // max(per_record, 1))
+
+
 def record_slices(n: int, per_record: int, device: torch.device) -> list[slice]:
     """The records ``0..n-1`` cut into chunks of at most :data:`GHOST_CHUNK` entries on a CPU (at most
     :data:`ACCELERATOR_NORM_CHUNK` elsewhere), ``per_record`` entries each (its positions times the widths of its
     factors and temporaries), at least one record a chunk: a computation's batch-sized temporaries are then fresh pages
     once per chunk, not one large allocation per call. The cut depends on shapes alone, never on values."""
-    chunk = GHOST_CHUNK if device.type == "cpu" else ACCELERATOR_NORM_CHUNK
-    step = max(1, chunk // max(per_record, 1))
+    step = records_per_chunk(per_record, device)
     return [slice(i, i + step) for i in range(0, n, step)] or [slice(0, 0)]
 
 
