@@ -44,9 +44,9 @@ def _padded(layer: _ConvNd, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
 
 #: The forward convolution of :func:`_forward_weight_grads` is taken on a CPU for at most this many input channels and
 #: strides at most this large (a first layer on grey or RGB images, or on a raw signal): there the layer's part took
-#: 0.72-0.91x the time of the grouped convolution's weight gradient (1.02x for 64 output channels), at stride 2 1.25x,
-#: from eight channels on 2-3x (``python benchmarks/ghost_norms.py --tables conv``). The tests raise both to force
-#: the route.
+#: 0.69-0.90x the time of the grouped convolution's weight gradient (0.99x for an RGB layer of 64 output channels), at
+#: stride 2 1.27x, from eight channels on 2.2-2.6x (``python benchmarks/ghost_norms.py --tables conv``). The tests
+#: raise both to force the route.
 FORWARD_MAX_CHANNELS = 3
 FORWARD_MAX_STRIDE = 1
 
