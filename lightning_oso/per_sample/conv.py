@@ -132,6 +132,7 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
     # k = prod(kernel) patches), which needs no unfolding.
     grads: dict[Tensor, Tensor] = {}
     dtype, device = backprops[0].dtype, backprops[0].device
+    forward = _as_forward_convolution(layer, device)  # the route: settings only, the same for every call
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
     n = backprops[0].shape[0]
     r = torch.zeros(n, dtype=torch.float64, device=device)
@@ -149,7 +150,7 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
             # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
             # groups, which the convolution refuses; no record, so no per-sample gradient
             per_sample = g.new_zeros(0, *weight_shape)
-        elif _as_forward_convolution(layer, g.device):
+        elif forward:
             per_sample = _forward_weight_grads(x, g, kernel, stride, padding, dilation)
         else:
             per_sample = _WEIGHT_GRAD[dims](

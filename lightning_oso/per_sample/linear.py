@@ -198,7 +198,8 @@ class OuterProduct:
                 # (GPT-2's 5,000-output head); the chunks' products are added into the column
                 step = nb.records_per_chunk(t * (d_in + d_out), self.b.device)
                 for k, rows in enumerate(groups):
-                    flat[k].zero_()  # stays so for a column without records
+                    if rows.numel() == 0:
+                        flat[k].zero_()  # a column without records
                     for c, (scaled, inputs) in enumerate(self._column_chunks(rows, weights[:, k], step)):
                         product = (scaled.reshape(-1, d_out).t(), inputs.reshape(-1, d_in))
                         if c == 0:
