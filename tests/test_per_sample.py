@@ -324,6 +324,69 @@ def test_frozen_first_layer_followed_by_an_inplace_op():
     bk.remove()
 
 
+@pytest.mark.parametrize("first", ["conv", "linear on a sequence (a view)"])
+def test_an_anchored_first_output_is_the_layers_own_and_its_gradient_the_add_routes(first):
+    """The frozen first layer's output joins backward's path as the very tensor the layer returned, its bits (a -0.0
+    included) untouched, where adding a zero that requires a gradient made a copy and summed the whole output gradient
+    into that zero. Its output gradient, taken before a following in-place op, is the one the add gave, and the
+    anchor gets no gradient. A view (``nn.Linear`` on ``[n, T, d]`` returns one) still gets the zero added: an
+    identity marked in place on a view would move its history to the base, and the hook on the view would never
+    fire, leaving the layer out of the norms."""
+    torch.manual_seed(0)
+    if first == "conv":
+        layer, x = nn.Conv2d(1, 4, 3), torch.randn(5, 1, 6, 6)
+    else:
+        layer, x = nn.Linear(3, 4), torch.randn(5, 7, 3)
+    model = nn.Sequential(layer, nn.ReLU(inplace=True), nn.Flatten(), nn.LazyLinear(2))
+    model(x)  # the lazy layer's shape
+    with torch.no_grad():
+        layer.bias[0] = -1e30  # an output of -1e30 in the first channel: -0.0 nowhere but where we put it
+    gradients = {}
+    for route in ("add", "identity"):
+        bk = BookKeeping(model, loss_reduction="sum")
+        bk.freeze()
+        outputs, grads = [], []
+
+        def keep(module, inputs, output, outputs=outputs, grads=grads):
+            outputs.append(output)
+            output.register_hook(grads.append)
+
+        if route == "add":  # the former route, for comparison
+            weights = bk._weights
+            weights.anchored = lambda out, weights=weights: out + weights._anchor(out)
+        handle = layer.register_forward_hook(keep)
+        out = model(x)
+        out.pow(2).sum().backward()
+        handle.remove()
+        # the identity passes nothing to the anchor; the add (and a view's fallback to it) sums the output gradient
+        assert (bk._weights._anchor(x).grad is None) == (route == "identity" and first == "conv")
+        norms = bk.norms()
+        bk.unfreeze()
+        bk.remove()
+        gradients[route] = (grads[0], norms)
+        if route == "identity" and first == "conv":
+            # the layer's own output went on: the in-place ReLU modified it, on top of the identity
+            before_relu = outputs[0].grad_fn.next_functions[0][0]
+            assert type(before_relu).__name__ == "_OnBackwardPathBackward"
+    torch.testing.assert_close(gradients["identity"][0], gradients["add"][0], rtol=0, atol=0)
+    torch.testing.assert_close(gradients["identity"][1], gradients["add"][1], rtol=0, atol=0)
+
+
+def test_anchoring_keeps_the_outputs_bits_and_storage():
+    """The identity keeps a -0.0 (adding +0.0 would turn it into +0.0) and the output's memory: no copy is made."""
+    from lightning_oso.per_sample.frozen import FrozenWeights
+
+    weights = FrozenWeights()
+    weights.freeze({})
+    weights._frozen = {nn.Linear(1, 1): []}  # frozen, with no parameter to switch
+    output = torch.tensor([-0.0, 1.5, float("nan"), -float("inf")])
+    bits = output.view(torch.int32).clone()
+    anchored = weights.anchored(output)
+    assert anchored is output and anchored.requires_grad and anchored.data_ptr() == output.data_ptr()
+    assert torch.equal(anchored.detach().view(torch.int32), bits)
+    assert (output + torch.zeros(())).view(torch.int32)[0] != bits[0]  # what the add did to the -0.0
+
+
 def test_half_precision_layers_get_float32_norms_and_sums():
     """A bfloat16 model (or bf16 autocast): the norms that decide the clipping are computed in float32."""
     torch.manual_seed(0)
