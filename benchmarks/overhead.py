@@ -25,7 +25,10 @@ order, so machine noise hits all alike):
 - ``opacus_fgc`` (GPT-2 only): Opacus 1.6's ghost clipping refuses a tied parameter ("Parameter tying is not
   supported with Ghost Clipping", with or without its functorch fallback), so GPT-2's ``opacus_ghost`` row is "not
   supported"; this is the same ghost-clipping machinery with ``use_ghost_clipping=False`` (Opacus' fast gradient
-  clipping: per-sample gradients instantiated layer by layer, then normed), which accepts tied parameters.
+  clipping: per-sample gradients instantiated layer by layer, then normed), which accepts tied parameters;
+- ``non_private_poisson`` (only when named in ``--variants``): the non-private Lightning step on the Poisson batches
+  a DP callback draws (``data.poisson_loader``), a new batch size every step: the sampling's share of a private run's
+  time and memory, apart from the private step's.
 
 Precisions (``--precision``): ``32-true``, ``bf16-mixed`` (autocast to bfloat16) and ``bf16-true`` (model in
 bfloat16), through ``Trainer(precision=...)`` for ours and the same by hand for the plain PyTorch loops
@@ -80,6 +83,7 @@ from calibration import calibration_times
 from compare_methods import paper_mnist_cnn
 
 from lightning_oso import OSODP, FixedThresholdDP, exact_noise, per_sample
+from lightning_oso.data import poisson_loader
 from lightning_oso.randomness import NOISE, RunRandomness, words_of
 
 OURS = ("non_private", "floor", "fixed_clip", "oso", "oso_hooks")
@@ -87,6 +91,9 @@ OPACUS = ("torch_non_private", "opacus_hooks", "opacus_ghost")
 VARIANTS = OURS + OPACUS
 #: variants run on some models only: Opacus' fast gradient clipping where its ghost clipping refuses a tied weight
 EXTRA_VARIANTS = {"gpt2": ("opacus_fgc",)}
+#: variants run only when named in ``--variants``: the non-private step on the Poisson batches a private run trains on
+#: (a new batch size every step), which tells the sampling's share of a private run's memory from the private step's
+OPT_IN = ("non_private_poisson",)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 BASELINES = ("non_private", "torch_non_private")
 
@@ -308,7 +315,7 @@ def loss_of(model_cls: type[nn.Module]):
 
 
 def variants_of(model_name: str) -> tuple[str, ...]:
-    return VARIANTS + EXTRA_VARIANTS.get(model_name, ())
+    return VARIANTS + EXTRA_VARIANTS.get(model_name, ()) + OPT_IN
 
 
 def synthetic_data(model_cls, n: int, seed: int = 0) -> TensorDataset:
@@ -414,6 +421,8 @@ def run_lightning(
     elif variant == "floor":
         callbacks.append(_Floor())
     loader = DataLoader(synthetic_data(model_cls, 50 * batch_size), batch_size=batch_size, shuffle=True)
+    if variant == "non_private_poisson":  # the batches a DP callback would draw, without the private step
+        loader = poisson_loader(loader, seed=0)
     module = _Module(model_cls(), loss_of(model_cls))
     fit_quietly(module, loader, device, callbacks=callbacks, max_steps=steps, precision=precision)
     return timer.times
@@ -515,7 +524,7 @@ def _ghost_loss(criterion):
 def run(
     variant: str, model_name: str, batch_size: int, steps: int, device: str, precision: str = "32-true"
 ) -> list[float]:
-    runner = run_lightning if variant in OURS else run_torch
+    runner = run_lightning if variant in OURS or variant in OPT_IN else run_torch
     return runner(variant, model_name, batch_size, steps, device, precision)
 
 
@@ -636,7 +645,9 @@ def _plot(result: dict, path: Path) -> None:
         key=lambda k: (order.index(k[0]), k[1], PRECISIONS.index(k[2])),
     )
     variants = [
-        v for v in (*VARIANTS, *sorted({v for vs in EXTRA_VARIANTS.values() for v in vs})) if v not in BASELINES
+        v
+        for v in (*VARIANTS, *sorted({v for vs in EXTRA_VARIANTS.values() for v in vs}), *OPT_IN)
+        if v not in BASELINES
     ]
     metrics = [("time_ratio", "step time / non-private")]
     if any(r.get("memory_ratio") is not None for r in rows):
@@ -744,7 +755,7 @@ def _rows_of(key: tuple, times: dict, failed: dict, memory: dict, verbose: bool 
     }
     rows = []
     for v in measured:
-        base = "non_private" if v in OURS else "torch_non_private"
+        base = "non_private" if v in OURS or v in OPT_IN else "torch_non_private"
         row: dict[str, Any] = {"model": m, "batch_size": b, "variant": v, "precision": p}
         if v not in medians:
             row.update(median_ms=None, time_ratio=None, not_supported=failed.get((m, b, p, v), "not measured"))
@@ -849,7 +860,9 @@ def main() -> None:
     keys = [(m, b, p) for m in args.models for b in args.batch_sizes for p in args.precision]
 
     def chosen(model: str) -> tuple[str, ...]:
-        return tuple(v for v in variants_of(model) if args.variants is None or v in args.variants)
+        if args.variants is None:
+            return tuple(v for v in variants_of(model) if v not in OPT_IN)
+        return tuple(v for v in variants_of(model) if v in args.variants)
 
     times = {(*key, v): [] for key in keys for v in chosen(key[0])}
     failed: dict[tuple, str] = {}  # a variant that cannot run in a setting: not retried, reported as not supported
