@@ -252,28 +252,32 @@ def test_conv_per_sample_paths_equal_the_oracle(run):
 
 
 @contextlib.contextmanager
-def _conv_instantiation(route: str):
+def _conv_instantiation(route: str, step: int | None = None):
     """Every convolution of one group that instantiates its per-sample weight gradients does so by one forward
     convolution (``"forward"``, whatever its channels and strides) or by the grouped convolution's weight gradient
-    (``"grouped"``), on the CPU; only ``per_sample.conv``'s thresholds are changed, and restored."""
-    saved = conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE
+    (``"grouped"``), on the CPU, its records in blocks of multiples of ``step`` (``conv.SHAPE_STEP``) where given;
+    only ``per_sample.conv``'s settings are changed, and restored."""
+    saved = conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE, conv.SHAPE_STEP
     if route == "forward":
         conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE = math.inf, math.inf
     else:
         conv.FORWARD_MAX_CHANNELS = 0
+    if step is not None:
+        conv.SHAPE_STEP = step
     try:
         yield
     finally:
-        conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE = saved
+        conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE, conv.SHAPE_STEP = saved
 
 
 @settings(max_examples=_examples(40))
-@given(run=runs(_convs), route=st.sampled_from(["forward", "grouped"]))
-def test_both_conv_instantiations_equal_the_oracle(run, route):
+@given(run=runs(_convs), route=st.sampled_from(["forward", "grouped"]), step=st.sampled_from([1, 2, 3, 8]))
+def test_both_conv_instantiations_equal_the_oracle(run, route, step):
     """The two ways of instantiating a convolution's per-sample weight gradients, each forced on every drawn layer
-    (strides, dilations, paddings and channels the default leaves to the other): norms bound the oracle's, sums
-    match."""
-    with _conv_instantiation(route):
+    (strides, dilations, paddings and channels the default leaves to the other), the records convolved in one or two
+    blocks (``conv.record_blocks`` with a drawn step: the drawn batches of 1-4 records split at every place): norms
+    bound the oracle's, sums match."""
+    with _conv_instantiation(route, step):
         _check_both_paths(**run)
 
 

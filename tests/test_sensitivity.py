@@ -352,6 +352,28 @@ def test_a_forward_convolutions_gradients_cannot_hide_a_records_norm(case, monke
     assert calls, "the forward convolution was not taken"
 
 
+@pytest.mark.parametrize("case", [BY_NAME["conv1d_grouped"], BY_NAME["conv2d_grouped"]], ids=lambda c: c.name)
+@pytest.mark.parametrize("route", ["forward", "grouped"])
+@pytest.mark.parametrize("step", [2, 4])
+def test_per_sample_convolutions_in_record_blocks_cannot_hide_a_records_norm(case, route, step, monkeypatch):
+    """The per-sample weight gradients convolved in two blocks of records (``conv.record_blocks``; ``SHAPE_STEP`` 2
+    or 4 here, so that the attacks' seven records split, the attacked one, last, alone or with two others), by either
+    route: the cancelling and the huge records of the tests above, on the CPU."""
+    monkeypatch.setattr(conv, "SHAPE_STEP", step)
+    if route == "forward":
+        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", math.inf)
+        monkeypatch.setattr(conv, "FORWARD_MAX_STRIDE", math.inf)
+    else:
+        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", 0)
+    blocks = []
+    record_blocks = conv.record_blocks
+    monkeypatch.setattr(conv, "record_blocks", lambda n: blocks.append(len(record_blocks(n))) or record_blocks(n))
+    test_cancelling_positions_cannot_hide_a_records_norm(case, "two_column", "cpu", "whole")
+    for scale in (1e20, 1e30, 1e36, "max"):
+        test_huge_finite_record_gets_a_finite_norm(case, scale, "cpu")
+    assert 2 in blocks, "the records were not split into blocks"
+
+
 @pytest.mark.parametrize("case", [BY_NAME["linear_bias"], BY_NAME["linear_instantiated"]], ids=lambda c: c.name)
 def test_bias_that_cancels_in_rounding(case, sums_path, device):
     """``[1e8 v, 1, -1e8 v]``: the float32 bias sum is 0, the true one has norm ``sqrt(d_out)``."""

@@ -30,6 +30,12 @@ from lightning_oso.per_sample.registry import register_fast_path
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _WEIGHT_GRAD: dict[int, Callable[..., Tensor]] = {1: conv1d_weight, 2: conv2d_weight, 3: conv3d_weight}
+#: The per-sample weight gradients are convolved in at most two blocks of records: the largest multiple of this many,
+#: then the rest. Under Poisson sampling nearly every step brings a batch size not seen before, and oneDNN (cuDNN on a
+#: GPU) builds and caches a kernel per shape of the batch-as-groups convolution, about 260 KB of machine code each on
+#: a CPU, up to its cache's 1,024 entries; in blocks, a layer meets about ``range / 8 + 7`` shapes instead of
+#: ``range`` (the spread of the batch sizes). Shapes only, never values.
+SHAPE_STEP = 8
 
 
 def _padded(layer: _ConvNd, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
@@ -94,6 +100,13 @@ def _forward_weight_grads(
     return out.reshape(channels, n, out_channels, *kernel).movedim(0, 2)
 
 
+def record_blocks(n: int) -> list[slice]:
+    """Records ``0..n-1`` as at most two blocks, the largest multiple of :data:`SHAPE_STEP` first and the rest (each
+    record's per-sample gradient is its own either way; the cut depends on ``n`` alone)."""
+    whole = n - n % SHAPE_STEP
+    return [rows for rows in (slice(0, whole), slice(whole, n)) if rows.stop > rows.start]
+
+
 @register_fast_path(*_CONVS, *_TRANSPOSED)
 def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
     """Any convolution: ghost norm over unfolded patches where that is clearly cheaper (1-d/2-d, one group, not
@@ -150,18 +163,25 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
             # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
             # groups, which the convolution refuses; no record, so no per-sample gradient
             per_sample = g.new_zeros(0, *weight_shape)
-        elif forward:
-            per_sample = _forward_weight_grads(x, g, kernel, stride, padding, dilation)
         else:
-            per_sample = _WEIGHT_GRAD[dims](
-                source.reshape(1, n * source.shape[1], *source.shape[2:]),
-                (n * weight_shape[0], *weight_shape[1:]),
-                target.reshape(1, n * target.shape[1], *target.shape[2:]),
-                stride=stride,
-                padding=padding,
-                dilation=dilation,
-                groups=n * layer.groups,
-            )
+            blocks = []
+            for rows in record_blocks(n):
+                if forward:
+                    blocks.append(_forward_weight_grads(x[rows], g[rows], kernel, stride, padding, dilation))
+                    continue
+                m = rows.stop - rows.start
+                blocks.append(
+                    _WEIGHT_GRAD[dims](
+                        source[rows].reshape(1, m * source.shape[1], *source.shape[2:]),
+                        (m * weight_shape[0], *weight_shape[1:]),
+                        target[rows].reshape(1, m * target.shape[1], *target.shape[2:]),
+                        stride=stride,
+                        padding=padding,
+                        dilation=dilation,
+                        groups=m * layer.groups,
+                    ).reshape(m, *weight_shape)
+                )
+            per_sample = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         accumulate(grads, layer.weight, per_sample.reshape(n, *weight_shape))
         if layer.bias is not None:
             accumulate(grads, layer.bias, g.sum(dim=tuple(range(2, g.dim()))))
