@@ -328,6 +328,18 @@ MUTANTS = (
         "its dilation belongs: another layer's gradients, bounded as this one's",
     ),
     Mutant(
+        "conv_record_blocks_out_of_order",
+        "lightning_oso/per_sample/conv.py",
+        "    return [rows for rows in (slice(0, whole), slice(whole, n)) if rows.stop > rows.start]",
+        "    return [rows for rows in (slice(whole, n), slice(0, whole)) if rows.stop > rows.start]",
+        (
+            "tests/test_properties.py::test_both_conv_instantiations_equal_the_oracle",
+            "tests/test_sensitivity.py::test_per_sample_convolutions_in_record_blocks_cannot_hide_a_records_norm",
+        ),
+        "a convolution's per-sample gradients convolved in blocks of records are joined in the wrong order: each "
+        "record is clipped by another's norm",
+    ),
+    Mutant(
         "tied_ghost_cross_term_once",
         "lightning_oso/per_sample/tied.py",
         "* (2 * f_r)",
