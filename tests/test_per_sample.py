@@ -353,7 +353,7 @@ def test_an_anchored_first_output_is_the_layers_own_and_its_gradient_the_add_rou
 
         if route == "add":  # the former route, for comparison
             weights = bk._weights
-            weights.anchored = lambda out, weights=weights: out + weights._anchor(out)
+            weights.anchored = lambda out, inputs=(), weights=weights: out + weights._anchor(out)
         handle = layer.register_forward_hook(keep)
         out = model(x)
         out.pow(2).sum().backward()
@@ -385,6 +385,24 @@ def test_anchoring_keeps_the_outputs_bits_and_storage():
     assert anchored is output and anchored.requires_grad and anchored.data_ptr() == output.data_ptr()
     assert torch.equal(anchored.detach().view(torch.int32), bits)
     assert (output + torch.zeros(())).view(torch.int32)[0] != bits[0]  # what the add did to the -0.0
+
+
+def test_an_output_that_is_the_layers_input_is_not_anchored_in_place():
+    """A layer that returns its input as it is (the batch itself, for a first layer): the identity would mark the
+    caller's tensor as modified and put it on backward's path, where a later use of it (a reconstruction target)
+    would send its gradient into the layer's output gradient. It gets the zero added instead: a new tensor, and the
+    caller's stays as it was."""
+    from lightning_oso.per_sample.frozen import FrozenWeights
+
+    weights = FrozenWeights()
+    weights._frozen = {nn.Linear(1, 1): []}
+    batch = torch.randn(4, 3)
+    version = batch._version
+    anchored = weights.anchored(batch, (batch,))
+    assert anchored is not batch and anchored.requires_grad
+    assert not batch.requires_grad and batch.grad_fn is None and batch._version == version
+    other = torch.randn(4, 3)
+    assert weights.anchored(other, (batch,)) is other  # a new output is anchored in place
 
 
 def test_half_precision_layers_get_float32_norms_and_sums():
