@@ -94,6 +94,8 @@ EXTRA_VARIANTS = {"gpt2": ("opacus_fgc",)}
 #: variants run only when named in ``--variants``: the non-private step on the Poisson batches a private run trains on
 #: (a new batch size every step), which tells the sampling's share of a private run's memory from the private step's
 OPT_IN = ("non_private_poisson",)
+#: the variants run through Lightning, measured against ``non_private``
+LIGHTNING = OURS + OPT_IN
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 BASELINES = ("non_private", "torch_non_private")
 
@@ -524,7 +526,7 @@ def _ghost_loss(criterion):
 def run(
     variant: str, model_name: str, batch_size: int, steps: int, device: str, precision: str = "32-true"
 ) -> list[float]:
-    runner = run_lightning if variant in OURS or variant in OPT_IN else run_torch
+    runner = run_lightning if variant in LIGHTNING else run_torch
     return runner(variant, model_name, batch_size, steps, device, precision)
 
 
@@ -755,7 +757,7 @@ def _rows_of(key: tuple, times: dict, failed: dict, memory: dict, verbose: bool 
     }
     rows = []
     for v in measured:
-        base = "non_private" if v in OURS or v in OPT_IN else "torch_non_private"
+        base = "non_private" if v in LIGHTNING else "torch_non_private"
         row: dict[str, Any] = {"model": m, "batch_size": b, "variant": v, "precision": p}
         if v not in medians:
             row.update(median_ms=None, time_ratio=None, not_supported=failed.get((m, b, p, v), "not measured"))

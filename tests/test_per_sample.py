@@ -377,7 +377,6 @@ def test_anchoring_keeps_the_outputs_bits_and_storage():
     from lightning_oso.per_sample.frozen import FrozenWeights
 
     weights = FrozenWeights()
-    weights.freeze({})
     weights._frozen = {nn.Linear(1, 1): []}  # frozen, with no parameter to switch
     output = torch.tensor([-0.0, 1.5, float("nan"), -float("inf")])
     bits = output.view(torch.int32).clone()

@@ -100,6 +100,30 @@ def _forward_weight_grads(
     return out.reshape(channels, n, out_channels, *kernel).movedim(0, 2)
 
 
+def _grouped_weight_grads(
+    source: Tensor,
+    target: Tensor,
+    weight_shape: tuple[int, ...],
+    groups: int,
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> Tensor:
+    """Per-sample weight gradients ``[n, *weight_shape]`` as the weight gradient of one grouped convolution, the
+    records as groups: ``source`` is the convolution's input and ``target`` its output gradient (swapped for a
+    transposed layer), records first."""
+    n = source.shape[0]
+    return _WEIGHT_GRAD[len(weight_shape) - 2](
+        source.reshape(1, n * source.shape[1], *source.shape[2:]),
+        (n * weight_shape[0], *weight_shape[1:]),
+        target.reshape(1, n * target.shape[1], *target.shape[2:]),
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=n * groups,
+    ).reshape(n, *weight_shape)
+
+
 def record_blocks(n: int) -> list[slice]:
     """Records ``0..n-1`` as at most two blocks, the largest multiple of :data:`SHAPE_STEP` first and the rest (each
     record's per-sample gradient is its own either way; the cut depends on ``n`` alone)."""
@@ -164,23 +188,14 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
             # groups, which the convolution refuses; no record, so no per-sample gradient
             per_sample = g.new_zeros(0, *weight_shape)
         else:
-            blocks = []
-            for rows in record_blocks(n):
-                if forward:
-                    blocks.append(_forward_weight_grads(x[rows], g[rows], kernel, stride, padding, dilation))
-                    continue
-                m = rows.stop - rows.start
-                blocks.append(
-                    _WEIGHT_GRAD[dims](
-                        source[rows].reshape(1, m * source.shape[1], *source.shape[2:]),
-                        (m * weight_shape[0], *weight_shape[1:]),
-                        target[rows].reshape(1, m * target.shape[1], *target.shape[2:]),
-                        stride=stride,
-                        padding=padding,
-                        dilation=dilation,
-                        groups=m * layer.groups,
-                    ).reshape(m, *weight_shape)
+            blocks = [
+                _forward_weight_grads(x[rows], g[rows], kernel, stride, padding, dilation)
+                if forward
+                else _grouped_weight_grads(
+                    source[rows], target[rows], weight_shape, layer.groups, stride, padding, dilation
                 )
+                for rows in record_blocks(n)
+            ]
             per_sample = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         accumulate(grads, layer.weight, per_sample.reshape(n, *weight_shape))
         if layer.bias is not None:

@@ -57,19 +57,19 @@ class FrozenWeights:
         finally:
             _set_requires_grad(frozen, False)
 
-    def anchored(self, output: Tensor, inputs: tuple = ()) -> Tensor:
+    def anchored(self, output: Tensor, inputs: tuple[Any, ...] = ()) -> Tensor:
         """``output``, made to require a gradient while frozen where it requires none (a first layer: neither its input
         nor its frozen parameters need a gradient, so backward would stop short of it). The result is a non-leaf that
         requires one, so an in-place op after the layer (``ReLU(inplace=True)``) stays legal, as it would not on a leaf.
 
         The same tensor, its values untouched, joins the graph through :class:`_OnBackwardPath`: adding a zero that
-        requires a gradient did the same at the price of a copy of the output in forward and, in backward, a sum of
-        the whole output gradient into that zero's gradient, which nothing reads (2.4 ms of the MNIST CNN's step at
-        B = 512, its ``[512, 16, 27, 27]`` first output, about 1%). A view still gets the zero added: an in-place op on
-        a view moves the history to its base, where a hook on the view would not fire. So does an output that is one of
-        the layer's ``inputs`` (a layer that returns its input as it is): the identity would put the caller's tensor,
-        the batch perhaps, on backward's path, and a later use of it (a reconstruction target) would send its gradient
-        into this layer's output gradient."""
+        requires a gradient did the same at the price of a copy of the output in forward and, in backward, a sum of the
+        whole output gradient into that zero's gradient, which nothing reads (2.4 ms of the MNIST CNN's step at B = 512,
+        its ``[512, 16, 27, 27]`` first output, about 1%). A view still gets the zero added: an in-place op on a view
+        moves the history to its base, where a hook on the view would not fire. So does an output that is one of the
+        layer's ``inputs``, positional or keyword (a layer that returns its input as it is): the identity would put the
+        caller's tensor, the batch perhaps, on backward's path, and a later use of it (a reconstruction target) would
+        send its gradient into this layer's output gradient."""
         if self._frozen is not None and not output.requires_grad and output.is_floating_point():
             if output._is_view() or any(x is output for x in inputs):
                 return output + self._anchor(output)

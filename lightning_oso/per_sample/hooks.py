@@ -196,7 +196,7 @@ class BookKeeping:
         if self._computing or not (torch.is_grad_enabled() and isinstance(output, Tensor)):
             return None  # evaluation, or a fallback sampler re-running the layer
         # a first layer's output, while frozen, is kept on backward's path (``FrozenWeights.anchored``)
-        anchored = self._weights.anchored(output, inputs)
+        anchored = self._weights.anchored(output, (*inputs, *keywords.values()))
         replaced, output = (None if anchored is output else anchored), anchored
         if not output.requires_grad:
             return None  # a forward that backward will not reach
