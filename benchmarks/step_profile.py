@@ -20,6 +20,11 @@ The regions are the library's own ``torch.profiler.record_function`` labels, so 
 TensorBoard's profiler plug-in. Writes ``<out>.json`` and ``<out>.md`` (default
 ``benchmarks/results/step_profile_<device>``).
 
+Each row also counts the *operator calls* per step in each region: the ``aten`` operators called from Python or
+from autograd, not those that another operator calls inside itself. Every one is a trip through torch's dispatcher,
+and on an accelerator, unless it only makes a view (``views``: ``reshape``, ``select``, ``detach``...), at least one
+kernel launch: a device-independent measure of the host's work, which bounds a GPU step whose kernels are small.
+
 On a GPU (``--device cuda``, ``--precision`` as in ``Trainer``) the host's time in each region is what the table
 gives, as on the CPU: the kernels run asynchronously, so a region's host time is its launches plus any wait for the
 device. Each row also gives the device's kernel time per step (``device ms``) and the host synchronisations per step
@@ -52,6 +57,18 @@ from lightning_oso import OSODP
 
 #: the labels read from the profile, in the order of the table
 REGIONS = ("forward", "backward", "lightning_oso.norms", "lightning_oso.sums", "lightning_oso.noise")
+#: the operator counts' regions, in the order of the table: the labels, then the rest of the release, the rest of the
+#: optimizer step, and everything else (Lightning's loop and the callbacks)
+OPERATOR_REGIONS = (*REGIONS, "release, other", "update", "Lightning")
+#: operators that only make a view or read metadata: no kernel on any device
+VIEWS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "view alias as_strided detach detach_ diagonal expand expand_as flatten lift_fresh movedim narrow permute "
+        "reshape _reshape_alias resolve_conj resolve_neg select slice split split_with_sizes squeeze t transpose "
+        "unbind unflatten unsqueeze view_as chunk unfold"
+    ).split()
+)
 DEFAULT_BATCH = {"mlp": 256, "mnist_cnn": 512}
 WARMUP = 3
 
@@ -162,6 +179,7 @@ def profile(
     row["update"] = max(optimizer - inside, 0.0)
     row["Lightning"] = max(wall - optimizer, 0.0)
     row["step (wall)"] = wall
+    row["operators"] = operator_calls(prof.profiler.events(), timed)
     if device.startswith("cuda"):
         # the kernels' own time: every device event but the annotations' ranges (named as the host's regions are),
         # which would count it twice
@@ -172,6 +190,30 @@ def profile(
         _fit(model_name, batch_size, variant, WARMUP + 3, device, precision, [counter])
         row["syncs"], row["sync sources"] = counter.per_step(3)
     return row
+
+
+def operator_calls(events: Any, steps: int) -> dict[str, dict[str, float]]:
+    """Per region (``OPERATOR_REGIONS``), the operator calls per step in the profile's raw ``events`` (over ``steps``
+    steps): ``calls``, the ``aten`` operators not inside another one on the same thread, and ``views``, those of them
+    that only make a view. A call belongs to the innermost labelled region whose time range holds its start."""
+    labels = {"lightning_oso.release": "release, other", **{region: region for region in REGIONS}}
+    ranges = [
+        (e.time_range.start, e.time_range.end, labels.get(e.name, "update"))
+        for e in events
+        if e.name in labels or e.name.startswith("Optimizer.step#")
+    ]
+    operators = sorted((e for e in events if e.name.startswith("aten::")), key=lambda e: (e.thread, e.time_range.start))
+    counts = {region: {"calls": 0.0, "views": 0.0} for region in OPERATOR_REGIONS}
+    thread, end = None, -1
+    for e in operators:
+        if e.thread == thread and e.time_range.start < end:
+            continue  # called by the operator before it
+        thread, end = e.thread, e.time_range.end
+        holding = [r for r in ranges if r[0] <= e.time_range.start < r[1]]
+        region = min(holding, key=lambda r: r[1] - r[0])[2] if holding else "Lightning"
+        counts[region]["calls"] += 1 / steps
+        counts[region]["views"] += (e.name in VIEWS) / steps
+    return counts
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
@@ -198,6 +240,21 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         if cuda:
             cells += [f"{row['device ms']:.1f}", f"{row['syncs']:.0f}"]
         lines.append(f"| {row['model']} | {row['batch_size']} | {row['variant']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Operator calls per step (of which views in brackets: no kernel on any device); each is a trip through torch's "
+        "dispatcher, and on an accelerator at least one kernel launch unless it is a view.",
+        "",
+        "| model | B | variant | " + " | ".join(columns[:8]) + " | all |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in range(9)) + " |",
+    ]
+    for row in result["rows"]:
+        counts = [row["operators"][region] for region in OPERATOR_REGIONS]
+        cells = [f"{c['calls']:.0f} ({c['views']:.0f})" for c in counts]
+        total = f"{sum(c['calls'] for c in counts):.0f} ({sum(c['views'] for c in counts):.0f})"
+        lines.append(
+            f"| {row['model']} | {row['batch_size']} | {row['variant']} | " + " | ".join(cells) + f" | {total} |"
+        )
     if cuda:
         lines += ["", "Host synchronisations per step by source line (the five most frequent):", ""]
         for row in result["rows"]:
@@ -231,7 +288,11 @@ def main() -> None:
             row.update(profile(model_name, batch_size, variant, args.steps, args.device, args.precision, tables))
             rows.append(row)
             shares = ", ".join(f"{k.removeprefix('lightning_oso.')} {v:.1f}" for k, v in row.items() if k in REGIONS)
-            print(f"{model_name:>12} B={batch_size:<4} {variant:<12} {row['step (wall)']:8.1f} ms/step: {shares}")
+            calls = sum(c["calls"] for c in row["operators"].values())
+            print(
+                f"{model_name:>12} B={batch_size:<4} {variant:<12} {row['step (wall)']:8.1f} ms/step: {shares}; "
+                f"{calls:.0f} operator calls"
+            )
     result = {
         "command": "python benchmarks/step_profile.py "
         + f"--models {' '.join(args.models)} --steps {args.steps} --threads {args.threads}"
