@@ -109,6 +109,10 @@ class DeferredQuery:
     integer draw (the mechanism as written), for what leaves the process (a checkpoint).
 
     Either may be asked once, and not both: the raw sum is never returned.
+
+    The query keeps its own copy of its row, laid end to end (``sums`` are views of the step's sums, whose other rows
+    it would otherwise keep alive until the next step), and takes the inner product over that one vector: a few
+    operations, not a few per parameter.
     """
 
     def __init__(
@@ -120,7 +124,10 @@ class DeferredQuery:
         expected_batch_size: float,
         materialise_noise: AddNoise,
     ) -> None:
-        self._sums = sums  # the raw S per parameter, [1, *shape], float32 or wider: un-noised, never returned
+        # the raw S, float32 or wider, un-noised, never returned: one flat copy of the row, and per parameter a
+        # [1, *shape] view of it (for the materialised q~, one tensor per parameter)
+        self._flat = torch.cat([s.reshape(-1) for s in sums]) if sums else torch.zeros(0)
+        self._sums = [part.view(s.shape) for part, s in zip(self._flat.split([s.numel() for s in sums]), sums)]
         self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
         self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
         self._vector_std = vector_std  # the std of each coordinate of a materialised q~
@@ -139,9 +146,12 @@ class DeferredQuery:
     def inner(self, vector: Sequence[Tensor]) -> Tensor:
         """``v . q~`` for a vector ``v`` (one tensor per parameter) independent of ``Z``, as a 0-dim float64 tensor."""
         self._spend("a second inner product")
-        vector = [v.to(torch.float64) for v in vector]
-        norm = flat_dot(vector, vector).sqrt()
-        projection = flat_dot(vector, self._sums) / norm.clamp_min(torch.finfo(torch.float64).tiny)
+        flat = laid_end_to_end(vector)  # the release's gradient: views of one buffer
+        if flat is None:
+            flat = torch.cat([v.reshape(-1).to(torch.float64) for v in vector])
+        flat = flat.to(torch.float64)
+        norm = torch.dot(flat, flat).sqrt()
+        projection = dot_in_float64(flat, self._flat) / norm.clamp_min(torch.finfo(torch.float64).tiny)
         released = exact_noise.on_grid(projection, exact_noise.grid_exponent(self._scalar_std)) + self._noise
         return torch.where(norm > 0, norm * released, torch.zeros_like(norm)) / self._expected_batch_size
 
@@ -152,7 +162,8 @@ class DeferredQuery:
         return [q[0] / self._expected_batch_size for q in noisy]
 
     def to(self, device: torch.device) -> DeferredQuery:
-        self._sums = [s.to(device) for s in self._sums]
+        sums, self._flat = self._sums, self._flat.to(device)
+        self._sums = [part.view(s.shape) for part, s in zip(self._flat.split([s.numel() for s in sums]), sums)]
         self._noise, self._scalar_std = self._noise.to(device), self._scalar_std.to(device)
         self._vector_std = self._vector_std.to(device)
         return self
@@ -460,7 +471,12 @@ def _scalar_stds(rule: StepRule) -> Tensor:
 # ----------------------------------------------------------------------------------------------------- scale
 def average(sums: Sequence[Tensor], expected_batch_size: float) -> list[Tensor]:
     """Division by the expected batch size ``B = qN``, never the actual one: that is private (docs/algorithms.md,
-    "What is private"). In place: the sums are the noisy ones, fresh tensors of the step."""
+    "What is private"). In place: the sums are the noisy ones, fresh tensors of the step (the release's views of one
+    buffer, divided in one operation)."""
+    flat = laid_end_to_end(sums)
+    if flat is not None:
+        flat.div_(expected_batch_size)
+        return list(sums)
     return [s.div_(expected_batch_size) for s in sums]
 
 
@@ -477,6 +493,23 @@ def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
         dtype = torch.promote_types(x.dtype, y.dtype)  # released values are float64; a caller's may be narrower
         products.append(torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype)))
     return torch.stack(products).sum()
+
+
+#: The most coordinates :func:`dot_in_float64` converts to float64 at once (2 MB): a converted copy of a whole model
+#: would be fresh pages at every step.
+FLOAT64_CHUNK = 1 << 18
+
+
+def dot_in_float64(a: Tensor, b: Tensor) -> Tensor:
+    """``a . b`` for a flat float64 ``a`` and a flat ``b`` of any float dtype, in float64 (``b`` converted exactly, a
+    chunk of :data:`FLOAT64_CHUNK` at a time), as a 0-dim tensor."""
+    if b.dtype == torch.float64 or b.numel() <= FLOAT64_CHUNK:
+        return torch.dot(a, b.to(torch.float64))
+    parts = [
+        torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))
+        for i in range(0, b.numel(), FLOAT64_CHUNK)
+    ]
+    return torch.stack(parts).sum()
 
 
 def laid_end_to_end(tensors: Sequence[Tensor]) -> Tensor | None:

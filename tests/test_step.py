@@ -9,7 +9,7 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
-from lightning_oso import step
+from lightning_oso import exact_noise, step
 from lightning_oso.clipping import FixedThresholdClipping, OSOClipping
 from lightning_oso.per_sample import TensorSource, per_sample_norms, weighted_sums
 
@@ -195,3 +195,90 @@ def test_flat_dot_over_the_releases_buffer_is_the_dot_product_and_looks_at_layou
     assert float(step.flat_dot(first, narrow)) == pytest.approx(
         sum(float((x * y.double()).sum()) for x, y in zip(first, narrow)), rel=1e-12
     )
+
+
+def test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot(monkeypatch):
+    """The direction query's projection ``g~ . S``: a float64 vector against the float32 raw sums, each chunk of the
+    sums converted exactly, the chunks' dot products added in float64; the same inner product as one float64 dot,
+    within float64 rounding, whether the sums fit one chunk or not (a product of a float64 and a float32 value is
+    not exact, so only the summation order differs)."""
+    monkeypatch.setattr(step, "FLOAT64_CHUNK", 7)
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(50, dtype=torch.float64, generator=generator)
+    b = torch.randn(50, generator=generator) * 1e3
+    expected = float(torch.dot(a, b.double()))
+    assert float(step.dot_in_float64(a, b)) == pytest.approx(expected, rel=1e-13)
+    assert float(step.dot_in_float64(a[:7], b[:7])) == pytest.approx(float(torch.dot(a[:7], b[:7].double())), rel=0)
+    assert step.dot_in_float64(a, b.double()).dtype == torch.float64
+
+
+def test_a_deferred_query_keeps_its_own_row_and_reads_it_through_one_vector():
+    """The deferred query copies its row of the step's sums (so the step's other rows can be let go) into one flat
+    vector, with a per-parameter view of it for the materialised query: editing the step's sums afterwards changes
+    nothing it answers, and its inner product is ``||v|| (on_grid(u . S) + noise) / B`` over the whole vector."""
+    generator = torch.Generator().manual_seed(11)
+    sums = [torch.randn(2, 4, 3, generator=generator), torch.randn(2, 3, generator=generator)]
+    row = [s[1:2] for s in sums]
+    raw = [r.clone() for r in row]
+    noise, std = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    query = step.DeferredQuery(row, noise, std, std, 4.0, step.gaussian_noise(generator))
+    for s in sums:
+        s.mul_(1e6)  # the step's buffers, reused or edited: not the query's
+    assert [tuple(s.shape) for s in query._sums] == [(1, 4, 3), (1, 3)]
+    assert all(torch.equal(kept, r) for kept, r in zip(query._sums, raw))
+    released = step.add_gaussian_noise(
+        [torch.randn(1, 4, 3, generator=generator), torch.randn(1, 3, generator=generator)],
+        torch.tensor([0.5], dtype=torch.float64),
+        generator,
+    )
+    vector = [r[0] for r in released]  # the release's views of one buffer, as OSO reads them
+    flat_v = torch.cat([v.reshape(-1) for v in vector])
+    flat_s = torch.cat([r.reshape(-1) for r in raw]).double()
+    norm = flat_v.norm()
+    grid = exact_noise.grid_exponent(std)
+    expected = norm * exact_noise.on_grid(torch.dot(flat_v, flat_s) / norm, grid) / 4.0
+    assert float(query.inner(vector)) == pytest.approx(float(expected), rel=1e-12)
+    with pytest.raises(RuntimeError, match="already read"):
+        query.materialise()
+
+
+def test_the_sanitised_gradients_are_written_as_one_conversion_of_the_release():
+    """The release's gradients are views of one float64 buffer; the strategy writes ``p.grad`` as one conversion of
+    it, each ``p.grad`` a view of the parameter's shape and dtype holding the released value rounded once, and a copy:
+    editing ``p.grad`` leaves the release alone. Parameters of several dtypes take one conversion each."""
+    from lightning_oso.strategies.private_training import write_gradients
+
+    generator = torch.Generator().manual_seed(2)
+    params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(3))]
+    released = [
+        r[0]
+        for r in step.add_gaussian_noise(
+            [torch.randn(1, 4, 3), torch.randn(1, 3)], torch.tensor([0.5], dtype=torch.float64), generator
+        )
+    ]
+    kept = [r.clone() for r in released]
+    write_gradients(params, released)
+    for p, r in zip(params, released):
+        assert p.grad.shape == p.shape and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
+        assert torch.equal(p.grad, r.float())
+    assert params[0].grad.untyped_storage().data_ptr() == params[1].grad.untyped_storage().data_ptr()
+    params[0].grad.mul_(0.0)
+    assert all(torch.equal(r, k) for r, k in zip(released, kept))
+    mixed = [nn.Parameter(torch.zeros(4, 3, dtype=torch.float64)), nn.Parameter(torch.zeros(3))]
+    write_gradients(mixed, released)
+    assert [p.grad.dtype for p in mixed] == [torch.float64, torch.float32]
+    assert torch.equal(mixed[0].grad, released[0]) and mixed[0].grad.data_ptr() != released[0].data_ptr()
+    assert torch.equal(mixed[1].grad, released[1].float())
+
+
+def test_averaging_the_release_in_one_division_gives_the_same_bits():
+    """``average`` divides the release's one buffer at once where its views are laid end to end, tensor by tensor
+    otherwise: the same elementwise division either way."""
+    generator = torch.Generator().manual_seed(4)
+    sums = [torch.randn(1, 5, 3, generator=generator), torch.randn(1, 3, generator=generator)]
+    released = step.add_gaussian_noise(sums, torch.tensor([0.5], dtype=torch.float64), generator)
+    separate = [r.clone() for r in released]
+    assert step.laid_end_to_end(released) is not None
+    step.average(released, 3.0)
+    step.average(separate, 3.0)
+    assert all(torch.equal(a, b) for a, b in zip(released, separate))

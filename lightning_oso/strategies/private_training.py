@@ -44,7 +44,7 @@ from lightning_oso.data import PoissonBatchSampler, poisson_loader
 from lightning_oso.errors import PrivacyConfigurationError, PrivateStepRefused
 from lightning_oso.per_sample import GRAD_SAMPLE_MODES, GradientHooks, loss_scale, norm_bounds
 from lightning_oso.randomness import RunRandomness
-from lightning_oso.step import ClippedSums, SanitisedStep, clip_and_sum, release
+from lightning_oso.step import ClippedSums, SanitisedStep, clip_and_sum, laid_end_to_end, release
 from lightning_oso.strategies.plan import PrivacyPlan
 from lightning_oso.strategies.release import ProcessRelease
 
@@ -340,8 +340,7 @@ class PrivateTraining(_StrategyBase):
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here, and always as copies: a user's
         # hook, gradient clipping or the optimizer may edit p.grad, while the rule keeps the released values
-        for p, gradient in zip(params, released.gradients):
-            p.grad = gradient.to(p.dtype, copy=True)
+        write_gradients(params, released.gradients)
         return released
 
     def _record_step(self) -> None:
@@ -355,6 +354,26 @@ class PrivateTraining(_StrategyBase):
     def _observe_norms(self, norms: Tensor) -> None:
         if self.rule is not None:
             self.diagnostics = _nonprivate_diagnostics(norms, self.rule.clip)
+
+
+def write_gradients(params: list[Tensor], gradients: list[Tensor]) -> None:
+    """``p.grad`` = a copy of each released gradient in ``p``'s dtype. Where the gradients are views of one buffer
+    (the release's) and the parameters share a dtype and device, one conversion of the buffer, whose views become the
+    gradients: one operation instead of one per parameter (each ``p.grad`` is still its own tensor of ``p``'s shape,
+    contiguous)."""
+    flat = laid_end_to_end(gradients)
+    if (
+        flat is not None
+        and params
+        and len({(p.dtype, p.device) for p in params}) == 1
+        and all(p.shape == g.shape for p, g in zip(params, gradients))
+    ):
+        converted = flat.to(device=params[0].device, dtype=params[0].dtype, copy=True)
+        for p, part in zip(params, converted.split([g.numel() for g in gradients])):
+            p.grad = part.view(p.shape)
+        return
+    for p, gradient in zip(params, gradients):
+        p.grad = gradient.to(p.dtype, copy=True)
 
 
 def _nonprivate_diagnostics(norms: Tensor, clip: Tensor) -> dict[str, Tensor]:
