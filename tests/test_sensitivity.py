@@ -606,6 +606,35 @@ def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk, 
         assert bound[i].item() == pytest.approx(alone, rel=1e-5, abs=1e-300), i
 
 
+def test_sq_norm_upper_of_float32_sums_bounds_every_record_without_scaling():
+    """A normalisation layer's per-sample gradients are float64 sums of float32 values (``sq_norm_upper_of_float32_sums``,
+    no scaling): at float32's largest and smallest magnitudes (sums of the largest, single subnormals, their mix) and
+    for random sums, whose squares and sum round in float64, every record's bound is at least its exact squared norm
+    (rational arithmetic) and within a hair of it, and a record with a NaN or inf gets a non-finite bound and only
+    it. Dropping the rounding's factor leaves some of the random records below their exact norm."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    g = torch.Generator().manual_seed(1)
+    finfo = torch.finfo(torch.float32)
+    terms = torch.randn(300, 5, 16, generator=g).mul_(torch.logspace(-30, 30, 300).reshape(300, 1, 1).float())
+    x = terms.double().sum(dim=2)  # [300, 5]: float64 sums of 16 float32 values each
+    x[0] = 40 * float(finfo.max)  # 40 terms at float32's largest
+    x[1] = float(finfo.tiny) * 2**-23  # one subnormal float32 term: 2^-149
+    x[2, :3] = torch.tensor([float(finfo.max), -(2.0**-149), 0.0], dtype=torch.float64)
+    x[3] = 0.0
+    x[4, 1] = float("nan")
+    x[5, 4] = float("inf")
+    bound = nb.sq_norm_upper_of_float32_sums(x.reshape(300, 5, 1))
+    assert bound.dtype == torch.float64 and bound.shape == (300,)
+    assert math.isnan(bound[4].item()) and bound[5].item() == math.inf
+    for i in (j for j in range(300) if j not in (4, 5)):
+        exact = sum(Fraction(v) ** 2 for v in x[i].tolist())
+        assert exact <= Fraction(bound[i].item()) <= exact * Fraction(10**12 + 1, 10**12), i
+    assert bound[1].item() > 0 and bound[3].item() == 0.0
+    bare = x.square().sum(dim=1)  # the same sums without the factor: some round below the exact value
+    assert any(Fraction(bare[i].item()) < sum(Fraction(v) ** 2 for v in x[i].tolist()) for i in range(6, 300))
+
+
 @pytest.mark.parametrize("route", ["compiled", "torch"])
 def test_sq_norm_upper_of_a_large_record_at_float32s_limits(monkeypatch, route):
     """A record past the float64 route's size (``FLOAT64_ROUTE_LIMIT``) with entries at float32's largest and smallest

@@ -260,6 +260,23 @@ def sq_norm_upper(x: Tensor) -> Tensor:
     return with_nan(times(bound, scaled.factor.square(), x.dtype), scaled.finite)
 
 
+def sq_norm_upper_of_float32_sums(x: Tensor) -> Tensor:
+    """Upper bound (float64, shape ``[n]``) of ``||x_i||^2`` for a float64 ``x`` (``[n, P]``) whose entries are float64
+    sums of float32 values, or bounds of such sums (a normalisation layer's per-sample gradients and their spreads,
+    ``normalisation``): no scaling, three operations on any device.
+
+    Every float32 value is a multiple of ``2^-149``, and so is every float64 sum of such values (above ``2^-96``
+    float64's spacing is coarser than ``2^-149``, below it the sum is exact), so a nonzero entry is at least
+    ``2^-149``; an entry is at most the float32 range times the number of terms (at most about ``2^160``; an infinite
+    one stays infinite). Squares then neither underflow nor overflow in float64: each rounds once (``u``) and their
+    sum in any order adds ``gamma_{P-1}``, within ``(1 - u)(1 - gamma_{P-1}) >= 1 - gamma_P`` of the exact sum from
+    below. NaN for a sample with a NaN, inf for one with an inf (weight 0 either way).
+    """
+    per_sample = math.prod(x.shape[1:])
+    u64 = unit_roundoff(torch.float64)
+    return x.reshape(x.shape[0], per_sample).square().sum(dim=1).mul_(F64 / (1.0 - gamma(per_sample + 1, u64)))
+
+
 def prepare(device: torch.device | str) -> None:
     """Loads the compiled loop of the CPU's squared norms (``norm_kernel``) before training, so that the first
     private step does not compile or load it (a second or two on the first use ever). Reads no data."""

@@ -101,9 +101,12 @@ def _normalisation(
     err = (1 + err) * (1 + nb.gamma(len(parts), U64)) - 1  # the sum over calls
     grads: dict[Tensor, Tensor] = {}
     bounds: dict[Tensor, Tensor] = {}
+    # in float32 (or 16-bit upcast) both are float64 sums of float32 values: squared without scaling; in float64 any
+    # float64 value, which the general bound scales
+    sq_norm = nb.sq_norm_upper_of_float32_sums if dtype != torch.float64 else nb.sq_norm_upper
     for p, g64 in grads64.items():
-        magnitude = nb.sq_norm_upper(spread[p]).sqrt_().mul_(nb.F64)
-        held = nb.sq_norm_upper(g64).sqrt_().mul_(nb.F64)
+        magnitude = sq_norm(spread[p]).sqrt_().mul_(nb.F64)
+        held = sq_norm(g64).sqrt_().mul_(nb.F64)
         slack = magnitude.mul_(err).add_(2 * positions * math.sqrt(width) * tau)
         bounds[p] = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
         grads[p] = g64.to(dtype)
