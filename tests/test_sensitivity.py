@@ -608,10 +608,11 @@ def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk, 
 
 def test_sq_norm_upper_of_float32_sums_bounds_every_record_without_scaling():
     """A normalisation layer's per-sample gradients are float64 sums of float32 values, bounded without scaling
-    (``sq_norm_upper_of_float32_sums``): at float32's largest and smallest magnitudes (sums of the largest, single subnormals, their mix) and
-    for random sums, whose squares and sum round in float64, every record's bound is at least its exact squared norm
-    (rational arithmetic) and within a hair of it, and a record with a NaN or inf gets a non-finite bound and only
-    it. Dropping the rounding's factor leaves some of the random records below their exact norm."""
+    (``sq_norm_upper_of_float32_sums``): at float32's largest and smallest magnitudes (sums of the largest, single
+    subnormals, their mix) and for random sums, whose squares and sum round in float64, every record's bound is at
+    least its exact squared norm (rational arithmetic) and within a hair of it, and a record with a NaN or inf gets a
+    non-finite bound and only it. Dropping the rounding's factor leaves some of the random records below their exact
+    norm."""
     from lightning_oso.per_sample import norm_bounds as nb
 
     g = torch.Generator().manual_seed(1)
