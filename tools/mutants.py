@@ -482,6 +482,24 @@ MUTANTS = (
         ("tests/test_checks.py::test_the_checks_run_with_ieee_float32_products_and_give_the_runs_settings_back",),
         "the consistency checks in the run's TF32 products: a plain layer refused as tied on CUDA",
     ),
+    Mutant(
+        "normalisation_norms_without_rounding_margin",
+        "lightning_oso/per_sample/norm_bounds.py",
+        ".square().sum(dim=1).mul_(F64 / (1.0 - gamma(per_sample + 1, u64)))",
+        ".square().sum(dim=1)",
+        ("tests/test_sensitivity.py::test_sq_norm_upper_of_float32_sums_bounds_every_record_without_scaling",),
+        "a normalisation layer's squared norms as float64 computes them, rounded down as often as up: a record's "
+        "bound can fall below its norm",
+    ),
+    Mutant(
+        "direction_projection_reads_one_chunk_again",
+        "lightning_oso/step.py",
+        "torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))",
+        "torch.dot(a[i : i + FLOAT64_CHUNK], b[:FLOAT64_CHUNK].to(torch.float64))",
+        ("tests/test_step.py::test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot",),
+        "the direction query's projection pairs every chunk of g~ with the first chunk of S: one record's share is read "
+        "several times, beyond the scalar's sensitivity of 1",
+    ),
 )
 
 
