@@ -452,3 +452,24 @@ def test_split_sums_equal_the_two_column_product(monkeypatch):
         for variant in ("split", "chunks"):
             for split, dense in zip(results[variant], results["dense"]):
                 torch.testing.assert_close(split, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_the_records_groups_are_taken_once_per_weight_matrix_and_follow_its_edits():
+    """Every layer's sums take the step's one weight matrix, so the records' groups (``disjoint_groups``: OSO's
+    clipped or not) and which records are weighted (``weighted_records``) are computed once for it. The cached result
+    is reused only for that very tensor unmodified: the same values in another tensor are taken anew, and an edit in
+    place (its version counter moves) gives the groups of the new weights, never the old ones."""
+    from lightning_oso.per_sample.parts import disjoint_groups, weighted_records
+
+    weights = torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.0], [1.0, 0.0]])
+    groups = disjoint_groups(weights)
+    assert groups is not None and [g.tolist() for g in groups] == [[0, 3], [1]]
+    assert disjoint_groups(weights) is groups  # the same tensor again: the same result
+    assert weighted_records(weights).tolist() == [True, True, False, True]
+    assert weighted_records(weights) is weighted_records(weights)
+    twin = weights.clone()
+    assert disjoint_groups(twin) is not groups and [g.tolist() for g in disjoint_groups(twin)] == [[0, 3], [1]]
+    weights[0] = torch.tensor([0.0, 0.25])  # record 0 now clipped, record 2 still unweighted
+    weights[2, 0] = 1.0
+    assert [g.tolist() for g in disjoint_groups(weights)] == [[2, 3], [0, 1]]
+    assert weighted_records(weights).tolist() == [True, True, True, True]

@@ -492,6 +492,15 @@ MUTANTS = (
         "bound can fall below its norm",
     ),
     Mutant(
+        "record_groups_cached_across_edits",
+        "lightning_oso/per_sample/parts.py",
+        "if entry is not None and entry[0] is weights and entry[1] == weights._version:",
+        "if entry is not None and entry[0] is weights:",
+        ("tests/test_per_sample.py::test_the_records_groups_are_taken_once_per_weight_matrix_and_follow_its_edits",),
+        "the records' groups of a weight matrix reused after it was edited in place: records summed with weights "
+        "they no longer have",
+    ),
+    Mutant(
         "direction_projection_reads_one_chunk_again",
         "lightning_oso/step.py",
         "torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))",

@@ -180,6 +180,25 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     return nb.round_up(total.sqrt() * (1.0 + U64) * nb.F64, dtype)
 
 
+def per_weights(compute: Any) -> Any:
+    """``compute(weights)``, computed once for the step: every layer's sums take the same weight matrix, so the last
+    result is returned again while the very same tensor (the same object, unmodified since: its version counter) comes
+    back. The cache holds that tensor, so no other tensor can take its identity; an entry is read in one piece."""
+    last: list[tuple[Tensor, int, Any] | None] = [None]
+
+    @functools.wraps(compute)
+    def cached(weights: Tensor) -> Any:
+        entry = last[0]
+        if entry is not None and entry[0] is weights and entry[1] == weights._version:
+            return entry[2]
+        result = compute(weights)
+        last[0] = (weights, weights._version, result)
+        return result
+
+    return cached
+
+
+@per_weights
 def disjoint_groups(weights: Tensor) -> list[Tensor] | None:
     """The records of each weight column, ``[indices of column 0, ...]``, when every record has a nonzero weight in
     at most one column (OSO's: clipped or not) and the weights are on the CPU; else ``None``. A record with no
@@ -199,6 +218,7 @@ def disjoint_groups(weights: Tensor) -> list[Tensor] | None:
     return [torch.nonzero((column == k) & weighted).squeeze(1) for k in range(weights.shape[1])]
 
 
+@per_weights
 def weighted_records(weights: Tensor) -> Tensor:
     """Which records have a nonzero weight in some column of ``weights`` (``[n, k]``): a bool ``[n]``. The others add
     exactly nothing to any sum (``zero_unweighted``)."""
