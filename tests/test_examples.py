@@ -269,6 +269,49 @@ def test_overhead_benchmark_smallest_setting(tmp_path):
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
 
 
+def test_step_profile_counts_the_operators_called_in_each_region():
+    """The step profile's operator count: each ``aten`` operator called from Python once (not those it calls inside
+    itself), in the innermost labelled region that holds it, views apart; outside every label, Lightning's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_profile
+    from torch.profiler import profile, record_function
+
+    x = torch.randn(8, 4)
+    with profile() as prof:
+        for _ in range(2):
+            with record_function("Optimizer.step#SGD.step"):
+                with record_function("lightning_oso.norms"):
+                    x.reshape(4, 8).sum(dim=1)  # a view and a reduction
+                with record_function("lightning_oso.release"):
+                    torch.nn.functional.linear(x, torch.ones(3, 4))  # linear calls other operators inside itself
+                    with record_function("lightning_oso.noise"):
+                        x.add(1.0)
+                x.mul(2.0)  # the optimizer step's own work
+            x.t()
+    counts = step_profile.operator_calls(prof.events(), steps=2)
+    assert counts["lightning_oso.norms"] == {"calls": 2.0, "views": 1.0}
+    assert counts["lightning_oso.noise"] == {"calls": 1.0, "views": 0.0}
+    assert counts["release, other"]["calls"] >= 2.0  # linear, and the ones() that made its weight
+    assert counts["update"] == {"calls": 1.0, "views": 0.0}
+    assert counts["Lightning"] == {"calls": 1.0, "views": 1.0}
+    assert counts["forward"] == counts["backward"] == {"calls": 0.0, "views": 0.0}
+
+
+@pytest.mark.slow
+def test_compare_revisions_runs_each_revisions_own_library(tmp_path):
+    """The revision comparison trains under a git worktree of the base revision and under the working tree, each run
+    importing its own library (checked by the script), and writes its table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import compare_revisions
+
+    args = ["--base", "HEAD", "--models", "mlp", "--batch-sizes", "8", "--steps", "4", "--repeats", "1"]
+    result = compare_revisions.main([*args, "--out", str(tmp_path / "cmp")])
+    (row,) = result["rows"]
+    assert row["model"] == "mlp" and len(row["runs"]["base"]) == len(row["runs"]["working tree"]) == 1
+    assert row["base_ms"] > 0 and row["new_ms"] > 0
+    assert "| mlp | 8 | oso |" in (tmp_path / "cmp.md").read_text()
+
+
 @pytest.mark.slow
 def test_audit_of_the_demo_smallest_setting(tmp_path):
     rows = audit_digits.main(["--epsilons", "2", "--epochs", "1", "--canaries", "200", "--out", str(tmp_path)])
