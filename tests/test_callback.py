@@ -30,6 +30,7 @@ from lightning_oso import (
 from lightning_oso.accounting import ACCOUNTANTS, FULL_BATCH_ACCOUNTANTS
 from lightning_oso.callbacks import DPArguments, RunArguments
 from lightning_oso.callbacks.arguments import AccountantName, GradSampleMode
+from lightning_oso.clipping import OSOClipping
 from lightning_oso.strategies import GRAD_SAMPLE_MODES
 
 
@@ -382,3 +383,39 @@ def test_fit_leaves_the_process_wide_warning_filters_as_they_were(grad_sample_mo
     assert dp.steps == 3
     assert warnings.filters == before
     assert not [w for w in recwarn if "Full backward hook is firing" in str(w.message)]
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_oso_keeps_the_learning_rate_of_the_type_the_user_gave(as_tensor):
+    """OSO moves each parameter group's learning rate by ``exp(rho_r sign(...))`` every step: a float stays a float
+    (what schedulers, loggers and checkpoints expect, and read once a step by the optimizer, not once per parameter),
+    a tensor stays a tensor; either way the value is the initial rate times the product of the factors."""
+
+    class Model(ToyModel):
+        def configure_optimizers(self):
+            lr = torch.tensor(0.5, dtype=torch.float64) if as_tensor else 0.5
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    factors = []
+    original = OSOClipping.update
+
+    def spy(rule, released):
+        factor = original(rule, released)
+        factors.append(float(factor))
+        return factor
+
+    model = Model()
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, lr_lr=0.2)
+    OSOClipping.update = spy
+    try:
+        trainer = make_trainer([dp], max_steps=6)
+        trainer.fit(model, toy_loader(batch_size=20))
+    finally:
+        OSOClipping.update = original
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) == as_tensor
+    expected = 0.5
+    for f in factors:
+        expected *= f
+    assert len(factors) == 6 and any(f != 1.0 for f in factors)
+    assert float(lr) == pytest.approx(expected, rel=1e-15)

@@ -295,8 +295,12 @@ class PrivateTraining(_StrategyBase):
         # privacy cost
         lr_factor = self.rule.update(released["step"])
         if lr_factor is not None:
+            # a float: a learning rate stays what the user gave (a float, or their tensor), and the optimizer reads a
+            # float once a step instead of a tensor's value once per parameter (one host read a step on a GPU, which
+            # an optimizer given a tensor makes anyway)
+            factor = float(lr_factor)
             for group in optimizer.param_groups:  # rho_t, applied multiplicatively (docs/algorithms.md, "OSO-DPSGD")
-                group["lr"] = group["lr"] * lr_factor
+                group["lr"] = group["lr"] * factor
         return result
 
     def privatise(self, optimizer: torch.optim.Optimizer) -> SanitisedStep:
