@@ -22,8 +22,9 @@ TensorBoard's profiler plug-in. Writes ``<out>.json`` and ``<out>.md`` (default
 
 Each row also counts the *operator calls* per step in each region: the ``aten`` operators called from Python or
 from autograd, not those that another operator calls inside itself. Every one is a trip through torch's dispatcher,
-and on an accelerator, unless it only makes a view (``views``: ``reshape``, ``select``, ``detach``...), at least one
-kernel launch: a device-independent measure of the host's work, which bounds a GPU step whose kernels are small.
+and on an accelerator at least one kernel launch (``kernels``) unless it launches none: a view (``reshape``,
+``select``, ``detach``...), a conversion to the dtype a tensor already has, a dtype query. A device-independent
+measure of the host's work, which bounds a GPU step whose kernels are small.
 
 On a GPU (``--device cuda``, ``--precision`` as in ``Trainer``) the host's time in each region is what the table
 gives, as on the CPU: the kernels run asynchronously, so a region's host time is its launches plus any wait for the
@@ -60,8 +61,8 @@ REGIONS = ("forward", "backward", "lightning_oso.norms", "lightning_oso.sums", "
 #: the operator counts' regions, in the order of the table: the labels, then the rest of the release, the rest of the
 #: optimizer step, and everything else (Lightning's loop and the callbacks)
 OPERATOR_REGIONS = (*REGIONS, "release, other", "update", "Lightning")
-#: operators that only make a view or read metadata: no kernel on any device
-VIEWS = frozenset(
+#: operators that only make a view, read metadata or compute on dtypes: no kernel on any device
+NO_KERNEL = frozenset(("aten::promote_types", "aten::result_type")) | frozenset(
     f"aten::{name}"
     for name in (
         "view alias as_strided detach detach_ diagonal expand expand_as flatten lift_fresh movedim narrow permute "
@@ -194,8 +195,10 @@ def profile(
 
 def operator_calls(events: Any, steps: int) -> dict[str, dict[str, float]]:
     """Per region (``OPERATOR_REGIONS``), the operator calls per step in the profile's raw ``events`` (over ``steps``
-    steps): ``calls``, the ``aten`` operators not inside another one on the same thread, and ``views``, those of them
-    that only make a view. A call belongs to the innermost labelled region whose time range holds its start."""
+    steps): ``calls``, the ``aten`` operators not inside another one on the same thread, and ``kernels``, those of
+    them that launch a kernel on an accelerator: not in :data:`NO_KERNEL`, and not an ``aten::to`` that calls nothing
+    (a tensor already of the dtype and device asked). A call belongs to the innermost labelled region whose time range
+    holds its start."""
     labels = {"lightning_oso.release": "release, other", **{region: region for region in REGIONS}}
     ranges = [
         (e.time_range.start, e.time_range.end, labels.get(e.name, "update"))
@@ -203,16 +206,21 @@ def operator_calls(events: Any, steps: int) -> dict[str, dict[str, float]]:
         if e.name in labels or e.name.startswith("Optimizer.step#")
     ]
     operators = sorted((e for e in events if e.name.startswith("aten::")), key=lambda e: (e.thread, e.time_range.start))
-    counts = {region: {"calls": 0.0, "views": 0.0} for region in OPERATOR_REGIONS}
+    counts = {region: {"calls": 0.0, "kernels": 0.0} for region in OPERATOR_REGIONS}
+    top: list[tuple[Any, bool]] = []  # each outermost call, and whether it called other operators
     thread, end = None, -1
     for e in operators:
         if e.thread == thread and e.time_range.start < end:
-            continue  # called by the operator before it
+            top[-1] = (top[-1][0], True)  # called by the operator before it
+            continue
         thread, end = e.thread, e.time_range.end
+        top.append((e, False))
+    for e, calls_others in top:
         holding = [r for r in ranges if r[0] <= e.time_range.start < r[1]]
         region = min(holding, key=lambda r: r[1] - r[0])[2] if holding else "Lightning"
+        launches = e.name not in NO_KERNEL and (e.name != "aten::to" or calls_others)
         counts[region]["calls"] += 1 / steps
-        counts[region]["views"] += (e.name in VIEWS) / steps
+        counts[region]["kernels"] += launches / steps
     return counts
 
 
@@ -242,17 +250,16 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         lines.append(f"| {row['model']} | {row['batch_size']} | {row['variant']} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Operator calls per step, and in brackets those that are not views: each call is a trip through torch's "
-        "dispatcher, and each of the latter at least one kernel launch on an accelerator.",
+        "Operator calls per step, and in brackets those that launch a kernel on an accelerator (not a view, a "
+        "conversion to the dtype a tensor has or a dtype query): each call is a trip through torch's dispatcher.",
         "",
         "| model | B | variant | " + " | ".join(columns[:8]) + " | all |",
         "| --- | --- | --- | " + " | ".join("---" for _ in range(9)) + " |",
     ]
     for row in result["rows"]:
         counts = [row["operators"][region] for region in OPERATOR_REGIONS]
-        cells = [f"{c['calls']:.0f} ({c['calls'] - c['views']:.0f})" for c in counts]
-        calls, views = sum(c["calls"] for c in counts), sum(c["views"] for c in counts)
-        total = f"{calls:.0f} ({calls - views:.0f})"
+        cells = [f"{c['calls']:.0f} ({c['kernels']:.0f})" for c in counts]
+        total = f"{sum(c['calls'] for c in counts):.0f} ({sum(c['kernels'] for c in counts):.0f})"
         lines.append(
             f"| {row['model']} | {row['batch_size']} | {row['variant']} | " + " | ".join(cells) + f" | {total} |"
         )

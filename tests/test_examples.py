@@ -286,15 +286,17 @@ def test_step_profile_counts_the_operators_called_in_each_region():
                     torch.nn.functional.linear(x, torch.ones(3, 4))  # linear calls other operators inside itself
                     with record_function("lightning_oso.noise"):
                         x.add(1.0)
+                        x.to(torch.float32)  # already float32: no kernel
+                        x.to(torch.float64)  # a copy: a kernel
                 x.mul(2.0)  # the optimizer step's own work
             x.t()
     counts = step_profile.operator_calls(prof.events(), steps=2)
-    assert counts["lightning_oso.norms"] == {"calls": 2.0, "views": 1.0}
-    assert counts["lightning_oso.noise"] == {"calls": 1.0, "views": 0.0}
+    assert counts["lightning_oso.norms"] == {"calls": 2.0, "kernels": 1.0}
+    assert counts["lightning_oso.noise"] == {"calls": 3.0, "kernels": 2.0}
     assert counts["release, other"]["calls"] >= 2.0  # linear, and the ones() that made its weight
-    assert counts["update"] == {"calls": 1.0, "views": 0.0}
-    assert counts["Lightning"] == {"calls": 1.0, "views": 1.0}
-    assert counts["forward"] == counts["backward"] == {"calls": 0.0, "views": 0.0}
+    assert counts["update"] == {"calls": 1.0, "kernels": 1.0}
+    assert counts["Lightning"] == {"calls": 1.0, "kernels": 0.0}
+    assert counts["forward"] == counts["backward"] == {"calls": 0.0, "kernels": 0.0}
 
 
 @pytest.mark.slow
