@@ -200,12 +200,13 @@ def operator_calls(events: Any, steps: int) -> dict[str, dict[str, float]]:
     (a tensor already of the dtype and device asked). A call belongs to the innermost labelled region whose time range
     holds its start."""
     labels = {"lightning_oso.release": "release, other", **{region: region for region in REGIONS}}
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]  # on CUDA, not the kernels' ranges
     ranges = [
         (e.time_range.start, e.time_range.end, labels.get(e.name, "update"))
-        for e in events
+        for e in host
         if e.name in labels or e.name.startswith("Optimizer.step#")
     ]
-    operators = sorted((e for e in events if e.name.startswith("aten::")), key=lambda e: (e.thread, e.time_range.start))
+    operators = sorted((e for e in host if e.name.startswith("aten::")), key=lambda e: (e.thread, e.time_range.start))
     counts = {region: {"calls": 0.0, "kernels": 0.0} for region in OPERATOR_REGIONS}
     top: list[tuple[Any, bool]] = []  # each outermost call, and whether it called other operators
     thread, end = None, -1
