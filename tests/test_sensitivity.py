@@ -579,6 +579,7 @@ def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk, 
 
     monkeypatch.setattr(nb, "NORM_CHUNK", chunk)
     monkeypatch.setattr(nb, "COMPILED_SQUARES", route == "compiled")
+    monkeypatch.setattr(nb, "LARGEST_FROM_EXTREMES", route == "compiled")
     g = torch.Generator().manual_seed(0)
     finfo = torch.finfo(dtype)
     x = torch.randn(23, 3, 7, generator=g, dtype=torch.float64)
@@ -604,6 +605,35 @@ def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk, 
         assert Fraction(bound[i].item()) <= exact * Fraction(10001, 10000) + Fraction(1e-300), i
         alone = nb.sq_norm_upper(x[i : i + 1])[0].item()  # the same record bounded on its own
         assert bound[i].item() == pytest.approx(alone, rel=1e-5, abs=1e-300), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_both_routes_to_a_samples_largest_magnitude_scale_it_alike(monkeypatch, dtype):
+    """``Scaled`` finds each sample's largest magnitude from ``amax`` and ``amin`` on a CPU and in one
+    ``vector_norm`` reduction on an accelerator: on samples of zeros (of either sign), subnormals, the dtype's largest
+    values, NaN and infinities of either sign, both give the same scaled values, factors and finiteness, bit for
+    bit."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    finfo = torch.finfo(dtype)
+    x = torch.randn(9, 3, 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2] *= finfo.tiny * 2**-3  # subnormal
+    x[3, 1, 1] = finfo.max
+    x[4, 0, 2] = -finfo.max
+    x[5, 2, 4] = float("nan")
+    x[6, 1, 0] = float("inf")
+    x[7, 0, 0] = -float("inf")
+    routes = []
+    for extremes in (True, False):
+        monkeypatch.setattr(nb, "LARGEST_FROM_EXTREMES", extremes)
+        routes.append(nb.Scaled(x))
+    a, b = routes
+    assert a.finite.tolist() == b.finite.tolist() == [True] * 5 + [False] * 3 + [True]
+    assert torch.equal(a.factor.view(torch.int64), b.factor.view(torch.int64))
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(a.value[a.finite].view(bits), b.value[b.finite].view(bits))
 
 
 def test_sq_norm_upper_of_float32_sums_bounds_every_record_without_scaling():
@@ -645,6 +675,7 @@ def test_sq_norm_upper_of_a_large_record_at_float32s_limits(monkeypatch, route):
     from lightning_oso.per_sample import norm_bounds as nb
 
     monkeypatch.setattr(nb, "COMPILED_SQUARES", route == "compiled")
+    monkeypatch.setattr(nb, "LARGEST_FROM_EXTREMES", route == "compiled")
     finfo = torch.finfo(torch.float32)
     per_record = nb.FLOAT64_ROUTE_LIMIT + 12_345
     x = torch.zeros(per_record, 3)  # records along dim 1, transposed below: a view that is not contiguous

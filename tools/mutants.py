@@ -501,6 +501,15 @@ MUTANTS = (
         "they no longer have",
     ),
     Mutant(
+        "largest_magnitude_misses_negatives",
+        "lightning_oso/per_sample/norm_bounds.py",
+        "largest = torch.linalg.vector_norm(flat, ord=math.inf, dim=1)",
+        "largest = flat.amax(dim=1)",
+        ("tests/test_sensitivity.py::test_both_routes_to_a_samples_largest_magnitude_scale_it_alike",),
+        "on an accelerator a sample's largest magnitude is its largest value: a sample of large negative values is "
+        "scaled too little, and its products can overflow",
+    ),
+    Mutant(
         "direction_projection_reads_one_chunk_again",
         "lightning_oso/step.py",
         "torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))",

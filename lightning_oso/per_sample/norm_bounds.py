@@ -48,6 +48,10 @@ NORM_CHUNK = 1 << 20
 #: float32 squared norms on a CPU by the compiled loop (``norm_kernel``), any size; the tests switch it off to check
 #: the torch routes an accelerator takes
 COMPILED_SQUARES = True
+#: a sample's largest magnitude (``Scaled``) on a CPU from ``amax`` and ``amin``, 10 times faster there than the one
+#: ``vector_norm`` reduction an accelerator takes (four kernels against one); the tests switch it off to check that
+#: route, which gives the same values
+LARGEST_FROM_EXTREMES = True
 #: the most entries (records x positions x the widths of the two factors, plus a Gram matrix's row) a ghost norm
 #: (``linear``, ``embedding``, ``tied``) or a normalisation part computes in one go on a CPU (``record_slices``): its
 #: scaled copies and Gram matrices are then fresh pages once per chunk, not one model-sized temporary per call; 25-35%
@@ -163,8 +167,11 @@ class Scaled:
         flat = x.reshape(n, math.prod(x.shape[1:]))
         if flat.shape[1] == 0:
             largest = torch.zeros(n, dtype=x.dtype, device=x.device)
-        else:  # amax and amin (NaN propagates): several times faster than aminmax or abs().amax() on CPU
+        elif x.device.type == "cpu" and LARGEST_FROM_EXTREMES:
+            # amax and amin (NaN propagates): several times faster than aminmax, abs().amax() or one vector_norm on CPU
             largest = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+        else:  # one reduction (one kernel instead of four), the same value: the largest |x|, NaN propagated
+            largest = torch.linalg.vector_norm(flat, ord=math.inf, dim=1)
         # 2^e from the exponent field E of the largest entry (largest in [2^(E-bias), 2^(E-bias+1)) for a normal
         # number): the power of two with field E + 1, clamped to [2, max - 2] so that it and its reciprocal are normal
         integer, mantissa, mask = _BITS[x.dtype]
