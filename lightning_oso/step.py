@@ -35,6 +35,7 @@ sum, selected elementwise (``torch.where``, never a branch on the data), and the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -127,7 +128,8 @@ class DeferredQuery:
         # the raw S, float32 or wider, un-noised, never returned: one flat copy of the row, and per parameter a
         # [1, *shape] view of it (for the materialised q~, one tensor per parameter)
         self._flat = torch.cat([s.reshape(-1) for s in sums]) if sums else torch.zeros(0)
-        self._sums = [part.view(s.shape) for part, s in zip(self._flat.split([s.numel() for s in sums]), sums)]
+        self._shapes = [s.shape for s in sums]
+        self._sums = self._views()
         self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
         self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
         self._vector_std = vector_std  # the std of each coordinate of a materialised q~
@@ -161,9 +163,14 @@ class DeferredQuery:
         noisy = self._materialise_noise(self._sums, self._vector_std.reshape(1))
         return [q[0] / self._expected_batch_size for q in noisy]
 
+    def _views(self) -> list[Tensor]:
+        """Per parameter, its ``[1, *shape]`` view of the flat row."""
+        parts = self._flat.split([math.prod(shape) for shape in self._shapes])
+        return [part.view(shape) for part, shape in zip(parts, self._shapes)]
+
     def to(self, device: torch.device) -> DeferredQuery:
-        sums, self._flat = self._sums, self._flat.to(device)
-        self._sums = [part.view(s.shape) for part, s in zip(self._flat.split([s.numel() for s in sums]), sums)]
+        self._flat = self._flat.to(device)
+        self._sums = self._views()
         self._noise, self._scalar_std = self._noise.to(device), self._scalar_std.to(device)
         self._vector_std = self._vector_std.to(device)
         return self
