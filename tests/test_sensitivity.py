@@ -76,7 +76,22 @@ def _conv1d_x(kernel, length):
     return lambda p: F.fold(p.t().unsqueeze(0), (1, length), (1, kernel), stride=(1, kernel))[0, :, 0]
 
 
+class SharedInput(nn.Module):
+    """Three Linear layers that read one input (an attention's query, key and value projections), their outputs side
+    by side: the norms bound them as one layer (``linear.shared_input_ghost_norms``)."""
+
+    def __init__(self, bias: tuple[bool, bool, bool] = (True, True, True)) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 24, bias[0]), nn.Linear(16, 24, bias[1]), nn.Linear(16, 8, bias[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
 CASES = [
+    Case("linear_shared_input", SharedInput, (4, 16), (4, 56), 4),
+    Case("linear_shared_input_no_bias", lambda: SharedInput((False, False, False)), (4, 16), (4, 56), 4),
+    Case("linear_shared_input_one_without_bias", lambda: SharedInput((True, False, True)), (4, 16), (4, 56), 4),
     Case("linear_no_bias", lambda: nn.Linear(16, 24, bias=False), (4, 16), (4, 24), 4),
     Case("linear_bias", lambda: nn.Linear(16, 24), (4, 16), (4, 24), 4),
     Case("linear_instantiated", lambda: nn.Linear(4, 3), (8, 4), (8, 3), 8),  # T (d_in + d_out) > d_in d_out
@@ -374,7 +389,12 @@ def test_per_sample_convolutions_in_record_blocks_cannot_hide_a_records_norm(cas
     assert 2 in blocks, "the records were not split into blocks"
 
 
-@pytest.mark.parametrize("case", [BY_NAME["linear_bias"], BY_NAME["linear_instantiated"]], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case",
+    [BY_NAME[name] for name in ("linear_bias", "linear_instantiated", "linear_shared_input")]
+    + [BY_NAME["linear_shared_input_one_without_bias"]],
+    ids=lambda c: c.name,
+)
 def test_bias_that_cancels_in_rounding(case, sums_path, device):
     """``[1e8 v, 1, -1e8 v]``: the float32 bias sum is 0, the true one has norm ``sqrt(d_out)``."""
     for big in (1e8, 1e12, 3e30):
@@ -442,6 +462,63 @@ def test_cases_reach_both_conv_branches_and_instantiation():
     (layer(x) * v).sum().backward()
     assert not bk._compute()[layer].ghost
     bk.remove()
+
+
+def _shared_input_groups(module: nn.Module, x: torch.Tensor, v: torch.Tensor) -> list[int]:
+    """The sizes of the groups of layers whose norms are bounded as one (``linear.shared_input_ghost_norms``)."""
+    bk = BookKeeping(module, loss_reduction="sum")
+    (module(x) * v).sum().backward()
+    parts = bk._compute()
+    keys = {}
+    for key in linear.shared_input_ghost_norms(parts):
+        keys.setdefault(parts[key].input_key(), []).append(key)
+    bk.remove()
+    return sorted(len(k) for k in keys.values())
+
+
+@pytest.mark.parametrize("name", ["linear_shared_input", "linear_shared_input_one_without_bias"])
+def test_layers_that_read_one_input_are_bounded_as_one_layer(name, monkeypatch):
+    """The shared-input cases above reach the grouped route (all three layers in one group), and on benign and
+    crafted records its norms are those of each layer bounded alone (each layer's bound is the same formula on the
+    same values; only a kernel's order of sums may differ)."""
+    case = BY_NAME[name]
+    assert _shared_input_groups(_layer(case), *_benign(case)) == [3]
+    x, v = _benign(case)
+    cx, cv = cancelling_record(case, 1e4, 1.0, 1e-4, seed=5)
+    x, v = torch.cat([x, cx.unsqueeze(0)]), torch.cat([v, cv.unsqueeze(0)])
+    grouped = production(_layer(case), x, v)[0].double()
+    monkeypatch.setattr(linear, "SHARED_INPUT_GHOST", False)
+    alone = production(_layer(case), x, v)[0].double()
+    assert torch.allclose(grouped, alone, rtol=1e-6, atol=0), (grouped, alone)
+
+
+def test_layers_that_read_different_inputs_are_bounded_apart():
+    """Layers whose inputs have one shape and layout but other values are not grouped, each bounded from its own
+    input: ``3 h`` (other memory) beside ``h``, and two views of one tensor at different offsets. Each record's norm is
+    at least its exact norm, the larger input's layer included."""
+
+    class Apart(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.u, self.t = (nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, 8, 16]
+            h = x[:, :4].contiguous()
+            return torch.cat([self.q(h), self.k(3 * h), self.u(x[:, :4]), self.t(x[:, 4:])], dim=-1)
+
+    torch.manual_seed(0)
+    module = Apart()
+    g = torch.Generator().manual_seed(4)
+    x, v = torch.randn(5, 8, 16, generator=g), torch.randn(5, 4, 64, generator=g)
+    assert _shared_input_groups(module, x, v) == []
+    bk = BookKeeping(module, loss_reduction="sum")
+    module.zero_grad()
+    (module(x) * v).sum().backward()
+    assert all(part.on_ghost_route for part in bk._compute().values())
+    norms = bk.norms().double()
+    bk.remove()
+    exact = exact_grads(module, x, v).norm(dim=1)
+    assert (norms >= exact).all() and (norms <= exact * (1 + 1e-3)).all(), (norms, exact)
 
 
 # ----------------------------------------------------------------------------------------------------- hooks path

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_oso import OSODP
-from lightning_oso.per_sample import BookKeeping, per_sample_norms, weighted_sums
+from lightning_oso.per_sample import BookKeeping, linear, per_sample_norms, weighted_sums
 from lightning_oso.per_sample.tied import TiedGhost
 
 transformers = pytest.importorskip("transformers")
@@ -38,6 +38,16 @@ def bert():
         max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     return transformers.BertForSequenceClassification(config)
+
+
+def llama():
+    """A LLaMA decoder: RMSNorm, rotary positions, and per block query, key and value projections that read one input,
+    and a gated MLP whose gate and up projections read another (their norms share those inputs' sides)."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
 
 
 def causal_lm_loss(logits, labels):
@@ -103,12 +113,15 @@ def _one_record_at_a_time(model, loss_fn, batch):
     ]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name):
+@pytest.mark.parametrize("name, shared", [("gpt2", 0), ("bert", 6), ("llama", 10)])
+def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name, shared):
     """A padded batch (records of 3 to 12 tokens), mean loss: the per-record gradients of the fast path, the tied
-    weight's cross term included for GPT-2, are those of autograd on each record alone."""
+    weight's cross term included for GPT-2, are those of autograd on each record alone. BERT's query, key and value
+    projections, and LLaMA's and its gate and up projections, share their inputs' side of the norms (``shared``
+    layers in all; GPT-2's are fused already)."""
     torch.manual_seed(0)
-    model, loss_fn = (gpt2(), _gpt2_loss) if name == "gpt2" else (bert(), _bert_loss)
+    model, loss_fn = {"gpt2": (gpt2, _gpt2_loss), "bert": (bert, _bert_loss), "llama": (llama, _gpt2_loss)}[name]
+    model = model()
     model.train()
     batch = _batch()
     if name == "gpt2":
@@ -120,6 +133,7 @@ def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name):
     bk.unfreeze()
     if name == "gpt2":  # 12 tokens: the head's rule is the ghost norm, so the tied part is one over both uses
         assert bk.tied and isinstance(bk._compute()[model.transformer.wte.weight], TiedGhost)
+    assert len(linear.shared_input_ghost_norms(bk._compute())) == shared
     torch.testing.assert_close(bk.norms(), per_sample_norms(reference), rtol=1e-4, atol=1e-6)
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(2))
     for s, r in zip(bk.weighted_sums(params, weights), weighted_sums(reference, weights)):

@@ -501,6 +501,24 @@ MUTANTS = (
         "they no longer have",
     ),
     Mutant(
+        "shared_input_side_keyed_without_storage",
+        "lightning_oso/per_sample/linear.py",
+        "a.untyped_storage().data_ptr(),",
+        "0,  # the storage left out",
+        ("tests/test_sensitivity.py::test_layers_that_read_different_inputs_are_bounded_apart",),
+        "layers whose inputs merely have one shape share the first one's input side: a layer that reads a larger "
+        "input is bounded from the smaller one, below its norm",
+    ),
+    Mutant(
+        "shared_input_side_edited_by_a_member",
+        "lightning_oso/per_sample/linear.py",
+        "ghost_sum = gram_b.mul_(side.gram).sum(dim=2).double().sum(dim=1)",
+        "ghost_sum = side.gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)",
+        ("tests/test_sensitivity.py::test_layers_that_read_one_input_are_bounded_as_one_layer",),
+        "the first layer of a group multiplies the shared Gram matrix in place: the next layers' ghost sums read a "
+        "product of Gram matrices instead of the input's",
+    ),
+    Mutant(
         "largest_magnitude_misses_negatives",
         "lightning_oso/per_sample/norm_bounds.py",
         "largest = torch.linalg.vector_norm(flat, ord=math.inf, dim=1)",

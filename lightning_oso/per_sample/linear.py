@@ -13,7 +13,7 @@ the package docstring (docs/algorithms.md, "Sensitivity of the fast path").
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -70,6 +70,28 @@ class OuterProduct:
             self.per_sample_weight = torch.bmm(self.b.transpose(1, 2), self.a)  # [n, d_out, d_in]
         self.per_sample_bias = self.b.sum(dim=1) if self.bias is not None else None
         self.weight_in_norms = True  # False once a tied part has taken over the weight's norm (``drop_norm``)
+
+    @property
+    def on_ghost_route(self) -> bool:
+        """Whether :meth:`sq_norms` bounds the weight by its ghost norm (``T > 1``, the weight in the norms and its
+        per-sample gradients not held)."""
+        return (
+            self.weight is not None and self.weight_in_norms and self.per_sample_weight is None and self.a.shape[1] > 1
+        )
+
+    def input_key(self) -> tuple:
+        """What identifies this layer's input as memory (layers with equal keys read the same values), with its output
+        gradient's dtype: the layers :func:`shared_input_ghost_norms` bounds together."""
+        a = self.a
+        return (
+            a.untyped_storage().data_ptr(),
+            a.storage_offset(),
+            tuple(a.shape),
+            a.stride(),
+            a.dtype,
+            a.device,
+            self.b.dtype,
+        )
 
     def sq_norms(self) -> Tensor:
         """Upper bounds (float64) of ``||G_i||^2 + ||bias_i||^2``, exact arithmetic, for each sample.
@@ -239,6 +261,47 @@ class OuterProduct:
             )
 
 
+#: Form the input side of the ghost norms of layers that read one input once (:func:`shared_input_ghost_norms`); off,
+#: each layer forms its own (the tests compare the two).
+SHARED_INPUT_GHOST = True
+
+
+def shared_input_ghost_norms(parts: Mapping[Any, Any]) -> dict[Any, Tensor]:
+    """The ghost norms (:meth:`OuterProduct.sq_norms`) of layers that read the same input, ``{key: squared norms}``
+    for each layer of a group of at least two; the other parts are bounded alone.
+
+    Layers with one input ``a`` (an attention's query, key and value projections of one sequence, a gated MLP's gate
+    and up projections) each bound ``sum_{t,s} (a_t . a_s)(b_t . b_s)`` from the same scaled ``a``, its Gram matrix
+    and its positions' norms: those are formed once per group, a few records at a time, and each layer's bound is
+    then its own, the same formula on the same values as alone (a group's chunks are cut for its widest layer, which
+    may change the order of a kernel's sums, nothing else). Grouped: layers on the ghost route (``T > 1``, weight in
+    the norms, no held per-sample weight) whose inputs are the same memory (storage, offset, shape, strides, dtype)."""
+    groups: dict[tuple, list[Any]] = {}
+    if SHARED_INPUT_GHOST:
+        for key, part in parts.items():
+            if isinstance(part, OuterProduct) and part.on_ghost_route:
+                groups.setdefault(part.input_key(), []).append(key)
+    squares: dict[Any, Tensor] = {}
+    for keys in groups.values():
+        if len(keys) > 1:
+            squares.update(zip(keys, _shared_input_ghost([parts[k] for k in keys])))
+    return squares
+
+
+def _shared_input_ghost(members: list[OuterProduct]) -> list[Tensor]:
+    """Each member's ghost norm (:func:`_ghost_sq_norms`) over one input side per chunk of records."""
+    a = members[0].a
+    n, t, d_in = a.shape
+    widest = max(m.b.shape[2] for m in members)
+    bounds: list[list[Tensor]] = [[] for _ in members]
+    for records in nb.record_slices(n, t * (d_in + widest + t), a.device):
+        side = _InputSide(a[records])
+        for bound, m in zip(bounds, members):
+            bias = None if m.per_sample_bias is None else m.per_sample_bias[records]
+            bound.append(_ghost_bound(side, m.b[records], bias))
+    return [chunks[0] if len(chunks) == 1 else torch.cat(chunks) for chunks in bounds]
+
+
 def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
     """:meth:`OuterProduct.sq_norms`'s ghost norm (``T > 1``) of the weight and, where ``per_sample_bias`` (the held
     ``sum_t b_t``, ``[n, d_out]``) is given, of the bias: float64 ``[n]``. A few records at a time
@@ -247,21 +310,40 @@ def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Ten
     return nb.in_record_chunks(_ghost_sq_norms_chunk, [a, b, per_sample_bias], t * (d_in + b.shape[2] + t))
 
 
+class _InputSide:
+    """What a ghost norm takes from a layer's input ``a`` (``[n, T, d_in]``): ``a`` scaled per record by a power of
+    two (``nb.Scaled``), its Gram matrix ``fl(a a^T)`` (``[n, T, T]``, not edited by the bound) and bounds of its
+    positions' norms; the same for every layer that reads ``a``."""
+
+    def __init__(self, a: Tensor) -> None:
+        d_in = a.shape[2]
+        self.d_in = d_in
+        self.scaled = nb.Scaled(a)
+        self.gram = torch.bmm(self.scaled.value, self.scaled.value.transpose(1, 2))
+        u, u_mm = nb.unit_roundoff(a.dtype), nb.input_roundoff(a.device, "matmul")
+        self.norms = nb.gram_row_norms_upper(self.gram, d_in, nb.kernel_error(d_in, u, u_mm))
+
+
 def _ghost_sq_norms_chunk(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
-    _, t, d_in = a.shape
-    d_out = b.shape[2]
+    return _ghost_bound(_InputSide(a), b, per_sample_bias)
+
+
+def _ghost_bound(side: _InputSide, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
+    """The ghost norm's bound (:meth:`OuterProduct.sq_norms`) of one layer from its input's side and its output
+    gradients ``b`` (``[n, T, d_out]``)."""
+    _, t, d_out = b.shape
+    d_in = side.d_in
     dtype, device = b.dtype, b.device
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
     u_mm = nb.input_roundoff(device, "matmul")
-    sa, sb = nb.Scaled(a), nb.Scaled(b)
+    sa, sb = side.scaled, nb.Scaled(b)
     finite = sa.finite & sb.finite
     # per-position norms from the Gram matrices' diagonals: no further pass over a and b
-    gram = torch.bmm(sa.value, sa.value.transpose(1, 2))
-    norms_a = nb.gram_row_norms_upper(gram, d_in, nb.kernel_error(d_in, u, u_mm))
+    norms_a = side.norms
     gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
     norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
-    ghost_sum = gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)
-    del gram, gram_b
+    ghost_sum = gram_b.mul_(side.gram).sum(dim=2).double().sum(dim=1)  # the input's Gram matrix left as it is
+    del gram_b
     r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, U64)) * nb.F64).square_().mul_(nb.F64)
     eps = (1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u) * (
         1 + nb.gamma(t, u)
