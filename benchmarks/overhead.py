@@ -288,6 +288,52 @@ class GPT2(nn.Module):
         return self.lm(input_ids=x, position_ids=positions).logits
 
 
+class Llama(nn.Module):
+    """transformers' ``LlamaForCausalLM`` from a config, random weights: 2 layers, d=128, 4 heads, a gated MLP of
+    width 256, RMSNorm, rotary positions, a 5000-token vocabulary, 64 positions. Per block the query, key and value
+    projections read one input and the gate and up projections another. Returns the logits of every next token."""
+
+    vocab, seq_len, d, ff, heads = 5000, 64, 128, 256, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers  # here, not at the top: the other models run without this dev extra
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        config = transformers.LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.d,
+            intermediate_size=self.ff,
+            num_hidden_layers=2,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
+            max_position_embeddings=self.seq_len,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        self.lm = transformers.LlamaForCausalLM(config)
+
+    def forward(self, x):
+        return self.lm(input_ids=x).logits
+
+
+class HostTransformer(TransformerEncoder):
+    """:class:`TransformerEncoder`'s layers at widths where the arithmetic is negligible (d=8, 4 positions, 50
+    words): a step's time is then the host's work per operator (Python, torch's dispatcher), a CPU stand-in for a GPU
+    step, which waits on the host's calls (docs/results/overhead.md, "Where a GPU step's time goes")."""
+
+    vocab, seq_len, d = 50, 4, 8
+    input_shape = (4,)
+
+
+class HostLlama(Llama):
+    """:class:`Llama` at negligible widths (d=8, 2 heads, gated MLP of 16, 4 positions, 50 words): the host's work
+    per step, as :class:`HostTransformer`."""
+
+    vocab, seq_len, d, ff, heads = 50, 4, 8, 16, 2
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The causal LM's loss: each record's mean next-token cross entropy, then the mean over records (the mean of
     per-record losses that the private step's ``loss_reduction="mean"`` needs; transformers' ``labels=`` loss is a
@@ -306,14 +352,19 @@ BENCHMARKED: dict[str, type[nn.Module]] = {
     "torch_transformer": TorchTransformer,
     "lstm_lm": LSTMLanguageModel,
     "mnist_cnn": PaperMNISTCNN,
+    "llama": Llama,
+    "transformer_host": HostTransformer,
+    "llama_host": HostLlama,
 }
+#: what a run without ``--models`` measures (the others on request: LLaMA, and the host-bound stand-ins)
+DEFAULT_MODELS = [name for name in BENCHMARKED if name not in ("llama", "transformer_host", "llama_host")]
 #: the models trained on token sequences with the next-token loss
-CAUSAL_LMS = (GPT2, LSTMLanguageModel)
+CAUSAL_LMS = (GPT2, LSTMLanguageModel, Llama)
 
 
 def loss_of(model_cls: type[nn.Module]):
     """A model's training loss: the batch's mean over records of each record's loss."""
-    return next_token_loss if model_cls in CAUSAL_LMS else F.cross_entropy
+    return next_token_loss if issubclass(model_cls, CAUSAL_LMS) else F.cross_entropy
 
 
 def variants_of(model_name: str) -> tuple[str, ...]:
@@ -322,10 +373,10 @@ def variants_of(model_name: str) -> tuple[str, ...]:
 
 def synthetic_data(model_cls, n: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    if model_cls in CAUSAL_LMS:  # token sequences; the targets are the inputs shifted by one (the next tokens)
+    if issubclass(model_cls, CAUSAL_LMS):  # token sequences; the targets are the inputs shifted by one (the next tokens)
         tokens = torch.randint(0, model_cls.vocab, (n, model_cls.seq_len + 1), generator=g)
         return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    if model_cls in (TransformerEncoder, TorchTransformer):
+    if issubclass(model_cls, (TransformerEncoder, TorchTransformer)):
         x = torch.randint(0, model_cls.vocab, (n, model_cls.seq_len), generator=g)
     else:
         x = torch.randn(n, *model_cls.input_shape, generator=g)
@@ -823,7 +874,7 @@ def merge(paths: list[str], out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(BENCHMARKED), choices=list(BENCHMARKED))
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(BENCHMARKED))
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--precision", nargs="+", default=["32-true"], choices=PRECISIONS, help="one set of rows each")
     parser.add_argument("--steps", type=int, default=25, help="steps per run (the first 5 are warm-up)")
