@@ -373,7 +373,7 @@ def variants_of(model_name: str) -> tuple[str, ...]:
 
 def synthetic_data(model_cls, n: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    if issubclass(model_cls, CAUSAL_LMS):  # token sequences; the targets are the inputs shifted by one (the next tokens)
+    if issubclass(model_cls, CAUSAL_LMS):  # token sequences; the targets: the inputs shifted by one (the next tokens)
         tokens = torch.randint(0, model_cls.vocab, (n, model_cls.seq_len + 1), generator=g)
         return TensorDataset(tokens[:, :-1], tokens[:, 1:])
     if issubclass(model_cls, (TransformerEncoder, TorchTransformer)):

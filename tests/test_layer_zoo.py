@@ -153,6 +153,8 @@ ZOO = {
     "groupnorm-no-affine": (lambda: seq(nn.Conv1d(4, 4, 1), nn.GroupNorm(2, 4, affine=False)), floats(4, 3)),
     "instancenorm-affine": (lambda: seq(nn.Conv1d(2, 3, 1), nn.InstanceNorm1d(3, affine=True)), floats(2, 5)),
     "rmsnorm": (lambda: seq(nn.Linear(4, 4), nn.RMSNorm(4)), floats(3, 4)),
+    "rmsnorm-one-position": (lambda: seq(nn.Linear(4, 4), nn.RMSNorm(4, eps=1e-3)), floats(4)),
+    "rmsnorm-2d-shape": (lambda: seq(nn.Linear(4, 6), nn.Unflatten(-1, (2, 3)), nn.RMSNorm((2, 3))), floats(3, 4)),
     "prelu": (lambda: seq(nn.Linear(4, 4), nn.PReLU(4)), floats(4)),
     "bilinear": (lambda: Pair(nn.Bilinear(4, 3, 2)), floats(7)),
     "raw-parameters": (lambda: RawScale(), floats(3, 4)),
@@ -483,8 +485,15 @@ def test_an_empty_batch_has_no_norms_and_zero_sums(name):
 
 def test_the_zoo_exercises_both_the_fast_path_and_the_fallback():
     fast = {name for name, (make, _) in ZOO.items() if all(fast_path(m) is not None for m in _trained_layers(make()))}
-    assert {"conv1d-reflect", "conv2d-groups", "conv3d", "conv-transpose2d-groups", "bag-max-offsets"} <= fast
-    assert {"prelu", "bilinear", "raw-parameters", "keywords-raw-parameter", "rmsnorm"}.isdisjoint(fast)
+    assert {
+        "conv1d-reflect",
+        "conv2d-groups",
+        "conv3d",
+        "conv-transpose2d-groups",
+        "bag-max-offsets",
+        "rmsnorm",
+    } <= fast
+    assert {"prelu", "bilinear", "raw-parameters", "keywords-raw-parameter"}.isdisjoint(fast)
 
 
 def _trained_layers(model):

@@ -5,9 +5,9 @@ the step is noised and charged as usual.
 The attacker crafts one record (NaN, +inf or -inf in one input entry, one entry at 3e38, or the whole record scaled
 by 1e30, which puts ~1e30 before a LayerNorm) and adds it to a batch of benign ones, on every layer kind of
 ``lightning_oso.per_sample`` (Linear on one position, on sequences by the ghost norm, instantiated; convolutions by the
-ghost norm and instantiated; Embedding, EmbeddingBag with per-sample weights and max-pooled, LayerNorm, GroupNorm, a
-tied weight and a layer without a fast path) and on both gradient paths (``grad_sample_mode="book_keeping"`` and
-Opacus' ``"hooks"``):
+ghost norm and instantiated; Embedding, EmbeddingBag with per-sample weights and max-pooled, LayerNorm, RMSNorm,
+GroupNorm, a tied weight and a layer without a fast path) and on both gradient paths
+(``grad_sample_mode="book_keeping"`` and Opacus' ``"hooks"``):
 
 - the un-noised sums of ``step.clip_and_sum`` (clipped sum, OSO's direction sum, both ways of forming it, the
   quantile rule's centred count) with the record equal those without it, up to the float32 rounding of the other
@@ -138,6 +138,10 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator, int]
     "tied": (Tied, _tokens_and(4, 8)),
     "layer_norm": (
         lambda: nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, CLASSES)),
+        _floats(8),
+    ),
+    "rms_norm": (
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.Linear(8, CLASSES)),
         _floats(8),
     ),
     "group_norm": (

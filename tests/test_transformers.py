@@ -1,7 +1,8 @@
 """Hugging Face transformers models built from configs (random weights, nothing downloaded) train with the default
-``OSODP``: GPT-2 as a causal LM (its token embedding tied to its output layer, its layers transformers' ``Conv1D``)
-and BERT for sequence classification (position and token-type ids from batch-1 buffers). Their per-sample norms are
-those of autograd run one record at a time, tied weight's cross term and padded batches included."""
+``OSODP``: GPT-2 as a causal LM (its token embedding tied to its output layer, its layers transformers' ``Conv1D``),
+BERT for sequence classification (position and token-type ids from batch-1 buffers) and LLaMA as a causal LM
+(RMSNorm, rotary positions, a gated MLP). Their per-sample norms are those of autograd run one record at a time,
+tied weight's cross term and padded batches included."""
 
 import logging
 import warnings
@@ -16,6 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oso import OSODP
 from lightning_oso.per_sample import BookKeeping, linear, per_sample_norms, weighted_sums
+from lightning_oso.per_sample.normalisation import llama_rms_norm
+from lightning_oso.per_sample.registry import fast_path
 from lightning_oso.per_sample.tied import TiedGhost
 
 transformers = pytest.importorskip("transformers")
@@ -120,8 +123,7 @@ def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name, shared):
     projections, and LLaMA's and its gate and up projections, share their inputs' side of the norms (``shared``
     layers in all; GPT-2's are fused already)."""
     torch.manual_seed(0)
-    model, loss_fn = {"gpt2": (gpt2, _gpt2_loss), "bert": (bert, _bert_loss), "llama": (llama, _gpt2_loss)}[name]
-    model = model()
+    model, loss_fn = MODELS[name](), LOSSES[name]
     model.train()
     batch = _batch()
     if name == "gpt2":
@@ -134,6 +136,9 @@ def test_per_sample_norms_and_sums_equal_one_record_at_a_time(name, shared):
     if name == "gpt2":  # 12 tokens: the head's rule is the ghost norm, so the tied part is one over both uses
         assert bk.tied and isinstance(bk._compute()[model.transformer.wte.weight], TiedGhost)
     assert len(linear.shared_input_ghost_norms(bk._compute())) == shared
+    if name == "llama":  # its RMSNorm layers on the fast path, not the exact fallback
+        norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+        assert len(norms) == 5 and all(fast_path(m) is llama_rms_norm for m in norms)
     torch.testing.assert_close(bk.norms(), per_sample_norms(reference), rtol=1e-4, atol=1e-6)
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(2))
     for s, r in zip(bk.weighted_sums(params, weights), weighted_sums(reference, weights)):
@@ -213,17 +218,21 @@ def test_t5_with_its_relative_position_bias_frozen():
     bk.remove()
 
 
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama}
+LOSSES = {"gpt2": _gpt2_loss, "bert": _bert_loss, "llama": _gpt2_loss}
+
+
 class HFModule(L.LightningModule):
     first: dict | None = None
 
     def __init__(self, name, explicit_positions=False):
         super().__init__()
         self.name, self.explicit_positions = name, explicit_positions
-        self.model = gpt2() if name == "gpt2" else bert()
+        self.model = MODELS[name]()
         self.losses = []
 
     def training_step(self, batch, batch_idx):
-        loss = (_gpt2_loss if self.name == "gpt2" else _bert_loss)(self.model, batch, self.explicit_positions)
+        loss = LOSSES[self.name](self.model, batch, self.explicit_positions)
         self.losses.append(float(loss.detach()))
         return loss
 
@@ -265,18 +274,19 @@ def test_padded_tokens_are_reduced_per_record():
     ("name", "mode"),
     [
         ("gpt2", "book_keeping"),
+        ("llama", "book_keeping"),
         pytest.param("bert", "book_keeping", marks=pytest.mark.slow),
         pytest.param("gpt2", "hooks", marks=pytest.mark.slow),
         pytest.param("bert", "hooks", marks=pytest.mark.slow),
     ],
 )
 def test_trains_with_the_default_osodp(name, mode):
-    """Through the public API: the default OSODP (its consistency checks included) trains both models, on both
-    gradient paths, and epsilon stays within the target. The first step's released gradient is checked against its
-    batch's per-record gradients, computed one record at a time from the same weights: times ``B``, it is their
-    clipped sum at ``C_0`` plus noise of std ``C_0 nu_g`` per coordinate, with nothing more of any record along the
-    records' gradients (a chi-square over their span). Opacus' hooks need the position ids passed per record (the
-    fast path looks the shared ones up per record itself)."""
+    """Through the public API: the default OSODP (its consistency checks included) trains the models (GPT-2 and BERT
+    on both gradient paths, LLaMA on the fast path), and epsilon stays within the target. The first step's released
+    gradient is checked against its batch's per-record gradients, computed one record at a time from the same
+    weights: times ``B``, it is their clipped sum at ``C_0`` plus noise of std ``C_0 nu_g`` per coordinate, with
+    nothing more of any record along the records' gradients (a chi-square over their span). Opacus' hooks need the
+    position ids passed per record (the fast path looks the shared ones up per record itself)."""
     torch.manual_seed(0)
 
     class FirstStep(HFModule):
@@ -304,10 +314,10 @@ def test_trains_with_the_default_osodp(name, mode):
     assert trainer.global_step == 3 and all(map(lambda v: v == v, module.losses))
     assert 0 < dp.epsilon <= 8.0
 
-    model = gpt2() if name == "gpt2" else bert()
+    model = MODELS[name]()
     model.load_state_dict(module.first["weights"])
     model.train()
-    _, per_record = _one_record_at_a_time(model, _gpt2_loss if name == "gpt2" else _bert_loss, module.first["batch"])
+    _, per_record = _one_record_at_a_time(model, LOSSES[name], module.first["batch"])
     records = torch.cat([g.double().flatten(1) for g in per_record], dim=1)  # [n, d]
     assert records.shape[0] > 0 and bool((records.norm(dim=1) > 0.1).all())  # every record clipped at C_0 = 0.1
     clipped_sum = (records * (0.1 / records.norm(dim=1)).clamp(max=1)[:, None]).sum(0)

@@ -1,6 +1,6 @@
-"""``nn.LayerNorm`` and ``nn.GroupNorm``: small per-sample gradients (``[n, C]``), always instantiated, their sums
-over positions taken by blocks so that their rounding stays bounded
-(docs/algorithms.md, "Sensitivity of the fast path")."""
+"""``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm`` (and transformers' RMSNorm of the LLaMA family): small
+per-sample gradients (``[n, C]``), always instantiated, their sums over positions taken by blocks so that their
+rounding stays bounded (docs/algorithms.md, "Sensitivity of the fast path")."""
 
 from __future__ import annotations
 
@@ -55,6 +55,54 @@ def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor
     return _normalisation(layer, parts, tuple(layer.normalized_shape), position_dim=1)
 
 
+@register_fast_path(nn.RMSNorm)
+def rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    return _by_records(_rms_norm, layer, inputs, backprops)
+
+
+def _rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    shape = tuple(layer.normalized_shape)
+    return _normalisation(
+        layer,
+        [_positions(F.rms_norm(x[0].to(g.dtype), shape, eps=layer.eps), g, shape) for x, g in zip(inputs, backprops)],
+        shape,
+        position_dim=1,
+    )
+
+
+#: transformers' RMSNorm of the LLaMA family, whose forward is LLaMA's (``weight * (x * rsqrt(mean(x^2) + eps))``, the
+#: normalised input cast back to the input's dtype before the product), registered by name: transformers need not be
+#: installed. Gemma's (``1 + weight``, another order of casts) is not one of them.
+LLAMA_RMS_NORMS = tuple(
+    f"transformers.models.{module}.modeling_{module}.{name}RMSNorm"
+    for module, name in (("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
+                         ("qwen3", "Qwen3"))
+)  # fmt: skip
+
+
+@register_fast_path(*LLAMA_RMS_NORMS)
+def llama_rms_norm(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    return _by_records(_llama_rms_norm, layer, inputs, backprops)
+
+
+def _llama_rms_norm(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+    shape = tuple(layer.weight.shape)  # type: ignore[arg-type]  # transformers' RMSNorm: a Parameter
+    parts = []
+    for x, g in zip(inputs, backprops):
+        # the normalised input as the layer's forward forms it: in float32, cast back to the input's dtype
+        x32 = x[0].to(torch.float32)
+        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)
+        parts.append(_positions(x_hat.to(x[0].dtype).to(g.dtype), g, shape))
+    return _normalisation(layer, parts, shape, position_dim=1)
+
+
+def _positions(x_hat: Tensor, g: Tensor, shape: tuple) -> tuple[Tensor, Tensor]:
+    """``(x_hat, b)`` as ``[n, positions, size]``: the normalised dims last, every other dim a position."""
+    n, size = g.shape[0], math.prod(shape)
+    positions = math.prod(g.shape[1 : g.dim() - len(shape)])
+    return x_hat.reshape(n, positions, size), g.reshape(n, positions, size)
+
+
 @register_fast_path(nn.GroupNorm)
 def group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
     return _by_records(_group_norm, layer, inputs, backprops)
@@ -71,14 +119,15 @@ def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor
 
 
 def _normalisation(
-    layer: nn.LayerNorm | nn.GroupNorm, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
+    layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
 ) -> Instantiated:
-    """LayerNorm/GroupNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat`` as the
-    layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t * b_t``, the
-    bias's ``sum_t b_t``, sums over positions that can cancel. Each is summed by ``_sum_over_positions`` (float64 in the
-    end) after one rounded product, so ``G64`` is within ``err sum_t |term_t|`` (entrywise, plus ``T tiny`` of
-    underflow) of the exact sum, and is held in the compute dtype (``G``, within ``u |G64|`` and ``tiny``). The bound
-    ``(||G64|| + err ||sum_t |term_t| ||) (1 + u) + sqrt(D) tiny`` covers both the exact gradient and ``G``."""
+    """LayerNorm/GroupNorm/RMSNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat``
+    as the layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t *
+    b_t``, the bias's (none for RMSNorm) ``sum_t b_t``, sums over positions that can cancel. Each is summed by
+    ``_sum_over_positions`` (float64 in the end) after one rounded product, so ``G64`` is within ``err sum_t
+    |term_t|`` (entrywise, plus ``T tiny`` of underflow) of the exact sum, and is held in the compute dtype (``G``,
+    within ``u |G64|`` and ``tiny``). The bound ``(||G64|| + err ||sum_t |term_t| ||) (1 + u) + sqrt(D) tiny`` covers
+    both the exact gradient and ``G``."""
     dtype = parts[0][1].dtype
     u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
     width = math.prod(shape)
@@ -89,7 +138,9 @@ def _normalisation(
     for x_hat, b in parts:
         n = b.shape[0]
         buffer = None
-        for param, rounded in ((layer.weight, True), (layer.bias, False)):
+        weight: Tensor | None = layer.weight  # type: ignore[assignment]  # a Parameter or None
+        bias: Tensor | None = getattr(layer, "bias", None)  # RMSNorm has none
+        for param, rounded in ((weight, True), (bias, False)):
             if param is None or not param.requires_grad:
                 continue
             term = x_hat.mul_(b) if rounded else b  # x_hat is this function's own copy: multiplied in place
