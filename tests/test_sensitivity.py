@@ -78,7 +78,7 @@ def _conv1d_x(kernel, length):
 
 class SharedInput(nn.Module):
     """Three Linear layers that read one input (an attention's query, key and value projections), their outputs side
-    by side: the norms bound them as one layer (``linear.shared_input_ghost_norms``)."""
+    by side: their ghost norms share the input's side (``linear.ghost_norms``)."""
 
     def __init__(self, bias: tuple[bool, bool, bool] = (True, True, True)) -> None:
         super().__init__()
@@ -467,15 +467,12 @@ def test_cases_reach_both_conv_branches_and_instantiation():
 
 
 def _shared_input_groups(module: nn.Module, x: torch.Tensor, v: torch.Tensor) -> list[int]:
-    """The sizes of the groups of layers whose norms are bounded as one (``linear.shared_input_ghost_norms``)."""
+    """The sizes of the groups of layers whose ghost norms share their input's side (``linear.ghost_norms``)."""
     bk = BookKeeping(module, loss_reduction="sum")
     (module(x) * v).sum().backward()
-    parts = bk._compute()
-    keys = {}
-    for key in linear.shared_input_ghost_norms(parts):
-        keys.setdefault(parts[key].input_key(), []).append(key)
+    groups = linear.ghost_route_groups(bk._compute())
     bk.remove()
-    return sorted(len(k) for k in keys.values())
+    return sorted(len(g) for g in groups if len(g) > 1)
 
 
 @pytest.mark.parametrize("name", ["linear_shared_input", "linear_shared_input_one_without_bias"])
@@ -492,6 +489,44 @@ def test_layers_that_read_one_input_are_bounded_as_one_layer(name, monkeypatch):
     monkeypatch.setattr(linear, "SHARED_INPUT_GHOST", False)
     alone = production(_layer(case), x, v)[0].double()
     assert torch.allclose(grouped, alone, rtol=1e-6, atol=0), (grouped, alone)
+
+
+@pytest.mark.parametrize("chunk", ["whole", "record_by_record"])
+def test_ghost_norms_together_equal_each_layers_own_bit_for_bit(chunk, monkeypatch):
+    """``linear.ghost_norms`` (one input side per input, one tail for all layers, as the hooks take them) gives each
+    layer exactly its own ``sq_norms``: on a model with shared inputs, layers with and without bias, two sequence
+    lengths and a crafted record, and with a record split into one chunk each."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = SharedInput((True, False, True))
+            self.long = nn.Linear(16, 20, bias=False)
+            self.other = nn.Linear(16, 12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.shared(x)
+            wide = torch.cat([x, x.flip(1)], dim=1)  # [n, 2T, 16]: another sequence length
+            return torch.cat([out, self.long(wide)[:, :4], self.other(2 * x)], dim=-1)
+
+    case = BY_NAME["linear_shared_input"]
+    x, v = _benign(case)
+    cx, _ = cancelling_record(case, 1e4, 1.0, 1e-4, seed=5)
+    x = torch.cat([x, cx.unsqueeze(0), x[:1] * 1e30])
+    torch.manual_seed(0)
+    module = Mixed()
+    v = torch.randn(x.shape[0], 4, 56 + 20 + 12, generator=torch.Generator().manual_seed(3))
+    if chunk == "record_by_record":
+        monkeypatch.setattr(nb, "GHOST_CHUNK", 1)
+    bk = BookKeeping(module, loss_reduction="sum")
+    (module(x) * v).sum().backward()
+    parts = bk._compute()
+    together = linear.ghost_norms(parts)
+    assert len(together) == 5
+    for key, sq in together.items():
+        alone = parts[key].sq_norms()
+        assert torch.equal(sq.isnan(), alone.isnan()) and torch.equal(sq.nan_to_num(), alone.nan_to_num())
+    bk.remove()
 
 
 def test_layers_that_read_different_inputs_are_bounded_apart():

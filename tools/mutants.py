@@ -510,6 +510,23 @@ MUTANTS = (
         "input is bounded from the smaller one, below its norm",
     ),
     Mutant(
+        "ghost_tail_rounding_of_the_first_layer",
+        "lightning_oso/per_sample/linear.py",
+        "eps = [_ghost_rounding(x.d_in, x.d_out, x.t, u, u_mm) for x in terms]",
+        "eps = [_ghost_rounding(terms[0].d_in, terms[0].d_out, terms[0].t, u, u_mm) for x in terms]",
+        ("tests/test_sensitivity.py::test_ghost_norms_together_equal_each_layers_own_bit_for_bit",),
+        "the stacked tail gives every layer the first one's rounding allowance: a wider layer, or one with more "
+        "positions, gets too little for its Gram sum's rounding",
+    ),
+    Mutant(
+        "ghost_tail_bias_on_other_rows",
+        "lightning_oso/per_sample/linear.py",
+        "index = torch.tensor(biased, device=device)",
+        "index = torch.tensor(biased[::-1], device=device)",
+        ("tests/test_sensitivity.py::test_ghost_norms_together_equal_each_layers_own_bit_for_bit",),
+        "the stacked tail adds the biases' bounds to other layers' rows: a layer's bias bound is lost",
+    ),
+    Mutant(
         "shared_input_side_edited_by_a_member",
         "lightning_oso/per_sample/linear.py",
         "ghost_sum = gram_b.mul_(side.gram).sum(dim=2).double().sum(dim=1)",

@@ -28,7 +28,7 @@ from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.composite import Composite, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.fallback import Generators, opacus_fallback
 from lightning_oso.per_sample.frozen import FrozenWeights
-from lightning_oso.per_sample.linear import shared_input_ghost_norms
+from lightning_oso.per_sample.linear import ghost_norms
 from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts
 from lightning_oso.per_sample.registry import fast_path
 from lightning_oso.per_sample.tied import tied_part
@@ -312,9 +312,9 @@ class BookKeeping:
             if not computed:
                 raise RuntimeError("no layer received a gradient in the last backward pass")
             parts = list(computed.values())
-            # layers that read one input share its side of their ghost norms (linear.shared_input_ghost_norms)
-            shared = shared_input_ghost_norms(computed)
-            squares = {key: shared[key] if key in shared else c.sq_norms() for key, c in computed.items()}
+            # the ghost norms together: one input side per input, one tail for all layers (linear.ghost_norms)
+            ghost = ghost_norms(computed)
+            squares = {key: ghost[key] if key in ghost else c.sq_norms() for key, c in computed.items()}
         _same_batch({key: sq.shape[0] for key, sq in squares.items()})
         # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
         # root and scaling are rounded up, and so is the result, to the compute dtype

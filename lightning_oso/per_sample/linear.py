@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ class OuterProduct:
 
     def input_key(self) -> tuple:
         """What identifies this layer's input as memory (layers with equal keys read the same values), with its output
-        gradient's dtype: the layers :func:`shared_input_ghost_norms` bounds together."""
+        gradient's dtype: the layers whose ghost norms share their input's side (:func:`ghost_norms`)."""
         a = self.a
         return (
             a.untyped_storage().data_ptr(),
@@ -261,53 +262,67 @@ class OuterProduct:
             )
 
 
-#: Form the input side of the ghost norms of layers that read one input once (:func:`shared_input_ghost_norms`); off,
-#: each layer forms its own (the tests compare the two).
+#: Form the input side of the ghost norms of layers that read one input once (:func:`ghost_norms`); off, each layer
+#: forms its own (the tests compare the two).
 SHARED_INPUT_GHOST = True
 
 
-def shared_input_ghost_norms(parts: Mapping[Any, Any]) -> dict[Any, Tensor]:
-    """The ghost norms (:meth:`OuterProduct.sq_norms`) of layers that read the same input, ``{key: squared norms}``
-    for each layer of a group of at least two; the other parts are bounded alone.
+def ghost_norms(parts: Mapping[Any, Any]) -> dict[Any, Tensor]:
+    """The ghost norms (:meth:`OuterProduct.sq_norms`) of every part on the ghost route, ``{key: squared norms}``;
+    the other parts are bounded alone. The same values as each layer's ``sq_norms`` (the tests hold them to it, bit
+    for bit), in fewer operations:
 
-    Layers with one input ``a`` (an attention's query, key and value projections of one sequence, a gated MLP's gate
-    and up projections) each bound ``sum_{t,s} (a_t . a_s)(b_t . b_s)`` from the same scaled ``a``, its Gram matrix
-    and its positions' norms: those are formed once per group, a few records at a time, and each layer's bound is
-    then its own, the same formula on the same values as alone (a group's chunks are cut for its widest layer, which
-    may change the order of a kernel's sums, nothing else). Grouped: layers on the ghost route (``T > 1``, weight in
-    the norms, no held per-sample weight) whose inputs are the same memory (storage, offset, shape, strides, dtype)."""
+    - **one input side per input.** Layers that read the same input ``a`` (an attention's query, key and value
+      projections of one sequence, a gated MLP's gate and up projections: the same memory) each bound ``sum_{t,s}
+      (a_t . a_s)(b_t . b_s)`` from the same scaled ``a``, its Gram matrix and its positions' norms: those are formed
+      once per group, a few records at a time (a group's chunks are cut for its widest layer, which may change the
+      order of a kernel's sums, nothing else);
+    - **one tail for all layers.** What follows the Gram matrices is arithmetic on a few numbers per record (the
+      margins, the minimum with the triangle bound, the scale put back, the bias's bound): it runs once on the
+      layers' numbers stacked ``[layers, records]``, each layer's constants a column, the same operations on the same
+      values as for one layer (``_ghost_tail``)."""
+    keys: list[Any] = []
+    terms: list[_GhostTerms] = []
+    for members in ghost_route_groups(parts):
+        keys.extend(members)
+        terms.extend(_shared_input_terms([parts[k] for k in members]))
+    return dict(zip(keys, _ghost_tail(terms)))
+
+
+def ghost_route_groups(parts: Mapping[Any, Any]) -> list[list[Any]]:
+    """The keys of the parts on the ghost route, grouped by input (:meth:`OuterProduct.input_key`; one part a group
+    where :data:`SHARED_INPUT_GHOST` is off), in the parts' order."""
     groups: dict[tuple, list[Any]] = {}
-    if SHARED_INPUT_GHOST:
-        for key, part in parts.items():
-            if isinstance(part, OuterProduct) and part.on_ghost_route:
-                groups.setdefault(part.input_key(), []).append(key)
-    squares: dict[Any, Tensor] = {}
-    for keys in groups.values():
-        if len(keys) > 1:
-            squares.update(zip(keys, _shared_input_ghost([parts[k] for k in keys])))
-    return squares
+    for key, part in parts.items():
+        if isinstance(part, OuterProduct) and part.on_ghost_route:
+            groups.setdefault(part.input_key() if SHARED_INPUT_GHOST else (id(part),), []).append(key)
+    return list(groups.values())
 
 
-def _shared_input_ghost(members: list[OuterProduct]) -> list[Tensor]:
-    """Each member's ghost norm (:func:`_ghost_sq_norms`) over one input side per chunk of records."""
+def _shared_input_terms(members: list[OuterProduct]) -> list[_GhostTerms]:
+    """Each member's :class:`_GhostTerms` over one input side per chunk of records."""
     a = members[0].a
     n, t, d_in = a.shape
     widest = max(m.b.shape[2] for m in members)
-    bounds: list[list[Tensor]] = [[] for _ in members]
+    chunks: list[list[_GhostTerms]] = [[] for _ in members]
     for records in nb.record_slices(n, t * (d_in + widest + t), a.device):
         side = _InputSide(a[records])
-        for bound, m in zip(bounds, members):
+        for terms, m in zip(chunks, members):
             bias = None if m.per_sample_bias is None else m.per_sample_bias[records]
-            bound.append(_ghost_bound(side, m.b[records], bias))
-    return [chunks[0] if len(chunks) == 1 else torch.cat(chunks) for chunks in bounds]
+            terms.append(_ghost_terms(side, m.b[records], bias))
+    return [_GhostTerms.cat(c) for c in chunks]
 
 
 def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
     """:meth:`OuterProduct.sq_norms`'s ghost norm (``T > 1``) of the weight and, where ``per_sample_bias`` (the held
     ``sum_t b_t``, ``[n, d_out]``) is given, of the bias: float64 ``[n]``. A few records at a time
-    (``nb.in_record_chunks``); each record's bound is computed from its own values alone either way."""
-    _, t, d_in = a.shape
-    return nb.in_record_chunks(_ghost_sq_norms_chunk, [a, b, per_sample_bias], t * (d_in + b.shape[2] + t))
+    (``nb.record_slices``); each record's bound is computed from its own values alone either way."""
+    n, t, d_in = a.shape
+    chunks = []
+    for records in nb.record_slices(n, t * (d_in + b.shape[2] + t), a.device):
+        bias = None if per_sample_bias is None else per_sample_bias[records]
+        chunks.append(_ghost_terms(_InputSide(a[records]), b[records], bias))
+    return _ghost_tail([_GhostTerms.cat(chunks)])[0]
 
 
 class _InputSide:
@@ -324,40 +339,142 @@ class _InputSide:
         self.norms = nb.gram_row_norms_upper(self.gram, d_in, nb.kernel_error(d_in, u, u_mm))
 
 
-def _ghost_sq_norms_chunk(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
-    return _ghost_bound(_InputSide(a), b, per_sample_bias)
+@dataclass
+class _GhostTerms:
+    """A layer's ghost norm up to its tail: per record (float64 ``[n]``, ``finite`` bool) the Gram sum ``S^``, the
+    sum ``sum_t ||a_t|| ||b_t||`` of the scaled positions' norm bounds, the scales ``2^(e_a + e_b)``, whether ``a``
+    and ``b`` are finite, and for a trained bias the sum of its positions' norms and the bound of its held sum; with
+    the shapes and dtype the tail's constants come from."""
+
+    ghost_sum: Tensor
+    positions_product: Tensor
+    factor: Tensor
+    finite: Tensor
+    bias_positions: Tensor | None
+    bias_norm: Tensor | None
+    t: int
+    d_in: int
+    d_out: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def cat(chunks: list[_GhostTerms]) -> _GhostTerms:
+        """The chunks' terms, records end to end."""
+        if len(chunks) == 1:
+            return chunks[0]
+        first = chunks[0]
+
+        def joined(name: str) -> Tensor:
+            return torch.cat([getattr(c, name) for c in chunks])
+
+        bias = first.bias_positions is not None
+        return _GhostTerms(
+            joined("ghost_sum"),
+            joined("positions_product"),
+            joined("factor"),
+            joined("finite"),
+            joined("bias_positions") if bias else None,
+            joined("bias_norm") if bias else None,
+            first.t,
+            first.d_in,
+            first.d_out,
+            first.dtype,
+        )
 
 
-def _ghost_bound(side: _InputSide, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
-    """The ghost norm's bound (:meth:`OuterProduct.sq_norms`) of one layer from its input's side and its output
-    gradients ``b`` (``[n, T, d_out]``)."""
+def _ghost_terms(side: _InputSide, b: Tensor, per_sample_bias: Tensor | None) -> _GhostTerms:
+    """What a ghost norm needs of a layer's output gradients ``b`` (``[n, T, d_out]``) and its input's side: the
+    products over positions, before the tail (``_ghost_tail``)."""
     _, t, d_out = b.shape
-    d_in = side.d_in
     dtype, device = b.dtype, b.device
-    u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
-    u_mm = nb.input_roundoff(device, "matmul")
+    u, u_mm = nb.unit_roundoff(dtype), nb.input_roundoff(device, "matmul")
     sa, sb = side.scaled, nb.Scaled(b)
-    finite = sa.finite & sb.finite
     # per-position norms from the Gram matrices' diagonals: no further pass over a and b
-    norms_a = side.norms
     gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
     norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
     ghost_sum = gram_b.mul_(side.gram).sum(dim=2).double().sum(dim=1)  # the input's Gram matrix left as it is
     del gram_b
-    r2 = (norms_a * norms_b).sum(dim=1).mul_((1.0 + nb.gamma(t, U64)) * nb.F64).square_().mul_(nb.F64)
-    eps = (1 + nb.kernel_error(d_in, u, u_mm)) * (1 + nb.kernel_error(d_out, u, u_mm)) * (1 + u) * (
-        1 + nb.gamma(t, u)
-    ) * (1 + nb.gamma(t, U64)) - 1
-    eta = 2 * t * t * (3 * d_in * d_out * m * m + 2) * tau
-    if math.isfinite(eps):
-        r2 = torch.minimum(r2, ghost_sum.clamp_min_(0).add_(r2, alpha=eps).add_(eta))
-    bound = r2.sqrt_().mul_(nb.F64).add_(3 * m * t * math.sqrt(d_in * d_out) * tau)
-    parts = [nb.times(bound, sa.factor * sb.factor, dtype).square_().mul_(nb.F64)]
+    bias_positions = bias_norm = None
     if per_sample_bias is not None:
-        positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)
-        positions = positions.mul_((1.0 + nb.gamma(t, U64)) * nb.F64)  # >= sum_t ||b_t||
-        parts.append(_sum_over_positions_bound(positions, per_sample_bias, t, u, tau).square_().mul_(nb.F64))
-    return nb.with_nan(sum_parts(parts), finite)
+        bias_positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)  # sum_t ||b_t||, before its margin
+        bias_norm = nb.sq_norm_upper(per_sample_bias).sqrt_().mul_(nb.F64)
+    return _GhostTerms(
+        ghost_sum,
+        (side.norms * norms_b).sum(dim=1),
+        sa.factor * sb.factor,
+        sa.finite & sb.finite,
+        bias_positions,
+        bias_norm,
+        t,
+        side.d_in,
+        d_out,
+        dtype,
+    )
+
+
+def _ghost_tail(terms: list[_GhostTerms]) -> list[Tensor]:
+    """The ghost norms' bounds (:meth:`OuterProduct.sq_norms`) from their terms, float64 ``[n]`` each: layers of one
+    dtype, device and batch stacked ``[layers, n]``, each layer's constants a column, so that the few dozen operations
+    on ``[n]`` run once for all of them; per element they are the operations of one layer, in the same order."""
+    out: list[Tensor | None] = [None] * len(terms)
+    batches: dict[tuple, list[int]] = {}
+    for i, term in enumerate(terms):
+        batches.setdefault((term.dtype, term.ghost_sum.device, term.ghost_sum.shape[0]), []).append(i)
+    for indices in batches.values():
+        for i, bound in zip(indices, _stacked_tail([terms[i] for i in indices])):
+            out[i] = bound
+    return out  # type: ignore[return-value]
+
+
+def _ghost_rounding(d_in: int, d_out: int, t: int, u: float, u_mm: float) -> float:
+    """``eps``, the ghost sum's worst-case rounding relative to ``R^2`` (:meth:`OuterProduct.sq_norms`)."""
+    alpha_in, alpha_out = nb.kernel_error(d_in, u, u_mm), nb.kernel_error(d_out, u, u_mm)
+    return (1 + alpha_in) * (1 + alpha_out) * (1 + u) * (1 + nb.gamma(t, u)) * (1 + nb.gamma(t, U64)) - 1
+
+
+def _stacked_tail(terms: list[_GhostTerms]) -> Tensor:
+    """:func:`_ghost_tail` for layers of one dtype, device and batch: ``[layers, n]``."""
+    first = terms[0]
+    dtype, device = first.dtype, first.ghost_sum.device
+    u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
+    u_mm = nb.input_roundoff(device, "matmul")
+
+    def column(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), 1)
+
+    eps = [_ghost_rounding(x.d_in, x.d_out, x.t, u, u_mm) for x in terms]
+    eta = [2 * x.t * x.t * (3 * x.d_in * x.d_out * m * m + 2) * tau for x in terms]
+    sums = column([(1.0 + nb.gamma(x.t, U64)) * nb.F64 for x in terms])
+    r2 = torch.stack([x.positions_product for x in terms]).mul_(sums).square_().mul_(nb.F64)
+    # min(R^2, max(S^, 0) + eps R^2 + eta): ``addcmul`` with a column of eps rounds as ``add_(R^2, alpha=eps)``
+    gram = torch.stack([x.ghost_sum for x in terms]).clamp_min_(0)
+    alternative = torch.addcmul(gram, r2, column(eps)).add_(column(eta))
+    finite_eps = all(math.isfinite(e) for e in eps)  # settings (shapes and dtypes), never data
+    r2 = (
+        torch.minimum(r2, alternative)
+        if finite_eps
+        else torch.where(column(eps).isfinite(), torch.minimum(r2, alternative), r2)
+    )
+    underflow = column([3 * m * x.t * math.sqrt(x.d_in * x.d_out) * tau for x in terms])
+    bound = r2.sqrt_().mul_(nb.F64).add_(underflow)
+    weight = nb.times(bound, torch.stack([x.factor for x in terms]), dtype).square_().mul_(nb.F64)
+    biased = [i for i, x in enumerate(terms) if x.bias_positions is not None]
+    if biased:
+        with_bias = [terms[i] for i in biased]
+        positions = torch.stack([x.bias_positions for x in with_bias])  # type: ignore[misc]
+        positions = positions.mul_(column([(1.0 + nb.gamma(x.t, U64)) * nb.F64 for x in with_bias]))
+        held = torch.stack([x.bias_norm for x in with_bias])  # type: ignore[misc]
+        # _sum_over_positions_bound, T > 1: min(P (1 + g_T), ||fl(beta)|| + g_T P) + T sqrt(d) tiny
+        g_t = column([nb.gamma(x.t, u) for x in with_bias])
+        absolute = column([x.t * math.sqrt(x.d_out) * tau for x in with_bias])
+        bias = torch.minimum(positions * (1.0 + g_t), torch.addcmul(held, positions, g_t)).add_(absolute)
+        bias = bias.square_().mul_(nb.F64)
+        index = torch.tensor(biased, device=device)
+        # sum_parts: the two parts added (one addition), times (1 + gamma64_2) F64; the others times (1 + gamma64_1) F64
+        weight = weight.index_add_(0, index, bias)
+    margins = column([(1.0 + nb.gamma(2 if x.bias_positions is not None else 1, U64)) * nb.F64 for x in terms])
+    total = weight.mul_(margins)
+    return torch.where(torch.stack([x.finite for x in terms]), total, math.nan)
 
 
 #: The smallest product (records x positions x d_in x d_out) for which gathering each column's records pays off
