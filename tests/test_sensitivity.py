@@ -40,8 +40,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import clipping
 from lightning_oso.clipping import OSOClipping
-from lightning_oso.per_sample import BookKeeping, conv, linear, per_sample_norms, weighted_sums
+from lightning_oso.per_sample import BookKeeping, conv, hooks, linear, per_sample_norms, weighted_sums
 from lightning_oso.per_sample import norm_bounds as nb
+from lightning_oso.per_sample.composite import CompositePart
 from lightning_oso.per_sample.parts import Instantiated
 
 CLIP = 0.5
@@ -526,6 +527,26 @@ def test_ghost_norms_together_equal_each_layers_own_bit_for_bit(chunk, monkeypat
     for key, sq in together.items():
         alone = parts[key].sq_norms()
         assert torch.equal(sq.isnan(), alone.isnan()) and torch.equal(sq.nan_to_num(), alone.nan_to_num())
+    bk.remove()
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_norms_with_composite_layers_taken_together_equal_each_parts_own(norm_first):
+    """The hooks take the ghost norms of the layers and of composite layers' pieces (``nn.MultiheadAttention``'s
+    projections) together: every part's squared norms are its own ``sq_norms``, bit for bit, a crafted record
+    included."""
+    torch.manual_seed(0)
+    module = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=norm_first)
+    g = torch.Generator().manual_seed(6)
+    x, v = torch.randn(5, 6, 16, generator=g), torch.randn(5, 6, 16, generator=g)
+    x[2, 1] = -(1 - 1e-4) * x[2, 0]
+    bk = BookKeeping(module, loss_reduction="sum")
+    (module(x) * v).sum().backward()
+    parts = bk._compute()
+    together = hooks._sq_norms(parts)
+    assert any(isinstance(part, CompositePart) for part in parts.values())
+    for key, part in parts.items():
+        assert torch.equal(together[key], part.sq_norms()), key
     bk.remove()
 
 

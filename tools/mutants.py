@@ -512,8 +512,8 @@ MUTANTS = (
     Mutant(
         "ghost_tail_rounding_of_the_first_layer",
         "lightning_oso/per_sample/linear.py",
-        "eps = [_ghost_rounding(x.d_in, x.d_out, x.t, u, u_mm) for x in terms]",
-        "eps = [_ghost_rounding(terms[0].d_in, terms[0].d_out, terms[0].t, u, u_mm) for x in terms]",
+        "eps = [_ghost_rounding(d_in, d_out, t, u, u_mm) for d_in, d_out, t, _ in layout]",
+        "eps = [_ghost_rounding(*layout[0][:3], u, u_mm) for d_in, d_out, t, _ in layout]",
         ("tests/test_sensitivity.py::test_ghost_norms_together_equal_each_layers_own_bit_for_bit",),
         "the stacked tail gives every layer the first one's rounding allowance: a wider layer, or one with more "
         "positions, gets too little for its Gram sum's rounding",
@@ -521,10 +521,19 @@ MUTANTS = (
     Mutant(
         "ghost_tail_bias_on_other_rows",
         "lightning_oso/per_sample/linear.py",
-        "index = torch.tensor(biased, device=device)",
-        "index = torch.tensor(biased[::-1], device=device)",
+        "rows=torch.tensor([i for i, _, _ in biased], device=device),",
+        "rows=torch.tensor([i for i, _, _ in biased][::-1], device=device),",
         ("tests/test_sensitivity.py::test_ghost_norms_together_equal_each_layers_own_bit_for_bit",),
         "the stacked tail adds the biases' bounds to other layers' rows: a layer's bias bound is lost",
+    ),
+    Mutant(
+        "composite_piece_takes_another_pieces_norm",
+        "lightning_oso/per_sample/composite.py",
+        "parts = [known[j] if j in known else piece.sq_norms() for j, (piece, slots) in enumerate(self.pieces) if slots]",
+        "parts = [known[0] if j in known else piece.sq_norms() for j, (piece, slots) in enumerate(self.pieces) if slots]",
+        ("tests/test_sensitivity.py::test_norms_with_composite_layers_taken_together_equal_each_parts_own",),
+        "a composite layer's pieces all take the first piece's norm from the batched ghost norms: the attention's "
+        "output projection is bounded by its input projection's norm",
     ),
     Mutant(
         "shared_input_side_edited_by_a_member",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -286,8 +286,11 @@ class CompositePart:
             for standin, slot in slots.items():
                 yield piece, standin, slot
 
-    def sq_norms(self) -> Tensor:
-        parts = [piece.sq_norms() for piece, slots in self.pieces if slots]
+    def sq_norms(self, known: Mapping[int, Tensor] | None = None) -> Tensor:
+        """The pieces' squared norms added up; ``known``: the bounds of some pieces (by index), already taken with
+        other layers' (``linear.ghost_norms``), each that piece's own ``sq_norms``."""
+        known = known or {}
+        parts = [known[j] if j in known else piece.sq_norms() for j, (piece, slots) in enumerate(self.pieces) if slots]
         if not parts:
             return torch.zeros(self.batch_size, dtype=torch.float64, device=self.device)
         return sum_parts(parts)

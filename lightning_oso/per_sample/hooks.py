@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_oso.per_sample import norm_bounds as nb
-from lightning_oso.per_sample.composite import Composite, composite_layers, inside, sequence_first
+from lightning_oso.per_sample.composite import Composite, CompositePart, composite_layers, inside, sequence_first
 from lightning_oso.per_sample.fallback import Generators, opacus_fallback
 from lightning_oso.per_sample.frozen import FrozenWeights
 from lightning_oso.per_sample.linear import ghost_norms
@@ -312,9 +312,7 @@ class BookKeeping:
             if not computed:
                 raise RuntimeError("no layer received a gradient in the last backward pass")
             parts = list(computed.values())
-            # the ghost norms together: one input side per input, one tail for all layers (linear.ghost_norms)
-            ghost = ghost_norms(computed)
-            squares = {key: ghost[key] if key in ghost else c.sq_norms() for key, c in computed.items()}
+            squares = _sq_norms(computed)
         _same_batch({key: sq.shape[0] for key, sq in squares.items()})
         # every part is a float64 upper bound of its layer's squared norm (see the module docstring); their sum,
         # root and scaling are rounded up, and so is the result, to the compute dtype
@@ -336,6 +334,26 @@ class BookKeeping:
             sums[p] if p in sums else torch.zeros((k, *p.shape), dtype=sum_dtype(p.dtype), device=p.device)
             for p in params
         ]
+
+
+def _sq_norms(computed: dict[Any, Any]) -> dict[Any, Tensor]:
+    """Every part's squared norms, the ghost norms of the layers and of the composites' pieces taken together (one
+    input side per input, one tail for all: ``linear.ghost_norms``), each bound the part's own ``sq_norms``."""
+    entries: dict[Any, Any] = {}
+    for key, part in computed.items():
+        if isinstance(part, CompositePart):
+            entries.update({(key, j): piece for j, (piece, slots) in enumerate(part.pieces) if slots})
+        else:
+            entries[key] = part
+    ghost = ghost_norms(entries)
+    squares = {}
+    for key, part in computed.items():
+        if isinstance(part, CompositePart):
+            known = {j: ghost[(key, j)] for j in range(len(part.pieces)) if (key, j) in ghost}
+            squares[key] = part.sq_norms(known)
+        else:
+            squares[key] = ghost[key] if key in ghost else part.sq_norms()
+    return squares
 
 
 def _records_first(x: Tensor, dim: int) -> Tensor:

@@ -12,6 +12,7 @@ the package docstring (docs/algorithms.md, "Sensitivity of the fast path").
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -434,47 +435,89 @@ def _ghost_rounding(d_in: int, d_out: int, t: int, u: float, u_mm: float) -> flo
 
 def _stacked_tail(terms: list[_GhostTerms]) -> Tensor:
     """:func:`_ghost_tail` for layers of one dtype, device and batch: ``[layers, n]``."""
-    first = terms[0]
-    dtype, device = first.dtype, first.ghost_sum.device
+    dtype, device = terms[0].dtype, terms[0].ghost_sum.device
+    layout = tuple((x.d_in, x.d_out, x.t, x.bias_positions is not None) for x in terms)
+    c = _tail_constants(layout, dtype, device, nb.input_roundoff(device, "matmul"))
+    r2 = _stack([x.positions_product for x in terms]).mul_(c.sums).square_().mul_(nb.F64)
+    # min(R^2, max(S^, 0) + eps R^2 + eta): ``addcmul`` with a column of eps rounds as ``add_(R^2, alpha=eps)``
+    gram = _stack([x.ghost_sum for x in terms]).clamp_min_(0)
+    alternative = torch.addcmul(gram, r2, c.eps).add_(c.eta)
+    if c.finite_eps:
+        r2 = torch.minimum(r2, alternative)
+    else:  # a layer too wide for its rounding to be bounded keeps R^2
+        r2 = torch.where(c.eps.isfinite(), torch.minimum(r2, alternative), r2)
+    bound = r2.sqrt_().mul_(nb.F64).add_(c.underflow)
+    weight = nb.times(bound, _stack([x.factor for x in terms]), dtype).square_().mul_(nb.F64)
+    if (b := c.bias) is not None:
+        with_bias = [x for x in terms if x.bias_positions is not None]
+        positions = _stack([x.bias_positions for x in with_bias]).mul_(b.sums)  # type: ignore[misc]
+        held = _stack([x.bias_norm for x in with_bias])  # type: ignore[misc]
+        # _sum_over_positions_bound, T > 1: min(P (1 + g_T), ||fl(beta)|| + g_T P) + T sqrt(d) tiny
+        bias = torch.minimum(positions * b.one_plus_g, torch.addcmul(held, positions, b.g)).add_(b.absolute)
+        # sum_parts: the two parts added (one addition), times (1 + gamma64_2) F64; the others times (1 + gamma64_1) F64
+        weight = weight.index_add_(0, b.rows, bias.square_().mul_(nb.F64))
+    return torch.where(_stack([x.finite for x in terms]), weight.mul_(c.margins), math.nan)
+
+
+def _stack(rows: list[Tensor]) -> Tensor:
+    """``[len(rows), n]``: a view for one row, no copy."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class _BiasConstants:
+    """The bias bound's constants of the layers with a trained bias (their ``rows`` among the layers)."""
+
+    rows: Tensor
+    sums: Tensor
+    g: Tensor
+    one_plus_g: Tensor
+    absolute: Tensor
+
+
+@dataclass(frozen=True)
+class _TailConstants:
+    """The constants of :func:`_stacked_tail`, one row per layer (float64 ``[layers, 1]`` columns on the device)."""
+
+    sums: Tensor
+    eps: Tensor
+    finite_eps: bool
+    eta: Tensor
+    underflow: Tensor
+    margins: Tensor
+    bias: _BiasConstants | None
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_constants(
+    layout: tuple[tuple[int, int, int, bool], ...], dtype: torch.dtype, device: torch.device, u_mm: float
+) -> _TailConstants:
+    """:class:`_TailConstants` of layers ``(d_in, d_out, T, bias trained)``: made once per layout (shapes, dtype,
+    device and the matmul's input rounding: settings, never data), so that a step copies no constant to the device."""
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
-    u_mm = nb.input_roundoff(device, "matmul")
 
     def column(values: list[float]) -> Tensor:
         return torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), 1)
 
-    eps = [_ghost_rounding(x.d_in, x.d_out, x.t, u, u_mm) for x in terms]
-    eta = [2 * x.t * x.t * (3 * x.d_in * x.d_out * m * m + 2) * tau for x in terms]
-    sums = column([(1.0 + nb.gamma(x.t, U64)) * nb.F64 for x in terms])
-    r2 = torch.stack([x.positions_product for x in terms]).mul_(sums).square_().mul_(nb.F64)
-    # min(R^2, max(S^, 0) + eps R^2 + eta): ``addcmul`` with a column of eps rounds as ``add_(R^2, alpha=eps)``
-    gram = torch.stack([x.ghost_sum for x in terms]).clamp_min_(0)
-    alternative = torch.addcmul(gram, r2, column(eps)).add_(column(eta))
-    finite_eps = all(math.isfinite(e) for e in eps)  # settings (shapes and dtypes), never data
-    r2 = (
-        torch.minimum(r2, alternative)
-        if finite_eps
-        else torch.where(column(eps).isfinite(), torch.minimum(r2, alternative), r2)
+    eps = [_ghost_rounding(d_in, d_out, t, u, u_mm) for d_in, d_out, t, _ in layout]
+    biased = [(i, t, d_out) for i, (_, d_out, t, bias) in enumerate(layout) if bias]
+    return _TailConstants(
+        sums=column([(1.0 + nb.gamma(t, U64)) * nb.F64 for _, _, t, _ in layout]),
+        eps=column(eps),
+        finite_eps=all(math.isfinite(e) for e in eps),
+        eta=column([2 * t * t * (3 * d_in * d_out * m * m + 2) * tau for d_in, d_out, t, _ in layout]),
+        underflow=column([3 * m * t * math.sqrt(d_in * d_out) * tau for d_in, d_out, t, _ in layout]),
+        margins=column([(1.0 + nb.gamma(2 if bias else 1, U64)) * nb.F64 for *_, bias in layout]),
+        bias=_BiasConstants(
+            rows=torch.tensor([i for i, _, _ in biased], device=device),
+            sums=column([(1.0 + nb.gamma(t, U64)) * nb.F64 for _, t, _ in biased]),
+            g=column([nb.gamma(t, u) for _, t, _ in biased]),
+            one_plus_g=column([1.0 + nb.gamma(t, u) for _, t, _ in biased]),
+            absolute=column([t * math.sqrt(d_out) * tau for _, t, d_out in biased]),
+        )
+        if biased
+        else None,
     )
-    underflow = column([3 * m * x.t * math.sqrt(x.d_in * x.d_out) * tau for x in terms])
-    bound = r2.sqrt_().mul_(nb.F64).add_(underflow)
-    weight = nb.times(bound, torch.stack([x.factor for x in terms]), dtype).square_().mul_(nb.F64)
-    biased = [i for i, x in enumerate(terms) if x.bias_positions is not None]
-    if biased:
-        with_bias = [terms[i] for i in biased]
-        positions = torch.stack([x.bias_positions for x in with_bias])  # type: ignore[misc]
-        positions = positions.mul_(column([(1.0 + nb.gamma(x.t, U64)) * nb.F64 for x in with_bias]))
-        held = torch.stack([x.bias_norm for x in with_bias])  # type: ignore[misc]
-        # _sum_over_positions_bound, T > 1: min(P (1 + g_T), ||fl(beta)|| + g_T P) + T sqrt(d) tiny
-        g_t = column([nb.gamma(x.t, u) for x in with_bias])
-        absolute = column([x.t * math.sqrt(x.d_out) * tau for x in with_bias])
-        bias = torch.minimum(positions * (1.0 + g_t), torch.addcmul(held, positions, g_t)).add_(absolute)
-        bias = bias.square_().mul_(nb.F64)
-        index = torch.tensor(biased, device=device)
-        # sum_parts: the two parts added (one addition), times (1 + gamma64_2) F64; the others times (1 + gamma64_1) F64
-        weight = weight.index_add_(0, index, bias)
-    margins = column([(1.0 + nb.gamma(2 if x.bias_positions is not None else 1, U64)) * nb.F64 for x in terms])
-    total = weight.mul_(margins)
-    return torch.where(torch.stack([x.finite for x in terms]), total, math.nan)
 
 
 #: The smallest product (records x positions x d_in x d_out) for which gathering each column's records pays off
