@@ -529,8 +529,10 @@ MUTANTS = (
     Mutant(
         "composite_piece_takes_another_pieces_norm",
         "lightning_oso/per_sample/composite.py",
-        "parts = [known[j] if j in known else piece.sq_norms() for j, (piece, slots) in enumerate(self.pieces) if slots]",
-        "parts = [known[0] if j in known else piece.sq_norms() for j, (piece, slots) in enumerate(self.pieces) if slots]",
+        "parts = [known[j] if j in known else piece.sq_norms() for j, (piece, slots) in "
+        "enumerate(self.pieces) if slots]",
+        "parts = [known[0] if j in known else piece.sq_norms() for j, (piece, slots) in "
+        "enumerate(self.pieces) if slots]",
         ("tests/test_sensitivity.py::test_norms_with_composite_layers_taken_together_equal_each_parts_own",),
         "a composite layer's pieces all take the first piece's norm from the batched ghost norms: the attention's "
         "output projection is bounded by its input projection's norm",
