@@ -351,3 +351,30 @@ def test_a_tied_weights_ghost_norm_on_cuda_bounds_cancelling_uses(tf32):
                 assert bool(((ratio >= low) & (ratio <= high)).all()), ratio
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def test_ghost_norms_taken_together_under_deterministic_algorithms(monkeypatch):
+    """``Trainer(deterministic=True)`` turns on torch's deterministic algorithms, under which an operation without a
+    deterministic CUDA kernel raises: the ghost norms taken together (``linear.ghost_norms``, layers with and without
+    a bias) run, and each part's norms are its own ``sq_norms``."""
+    from test_sensitivity import SharedInput
+
+    from lightning_oso.per_sample import BookKeeping, hooks
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(SharedInput((True, False, True)), torch.nn.Linear(56, 8)).cuda()
+    g = torch.Generator().manual_seed(0)
+    x, v = torch.randn(6, 4, 16, generator=g).cuda(), torch.randn(6, 4, 8, generator=g).cuda()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        bk = BookKeeping(module, loss_reduction="sum")
+        (module(x) * v).sum().backward()
+        parts = bk._compute()
+        together = hooks._sq_norms(parts)
+        for key, part in parts.items():
+            assert torch.equal(together[key], part.sq_norms()), key
+        bk.remove()
+    finally:
+        torch.use_deterministic_algorithms(previous)

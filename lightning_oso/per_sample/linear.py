@@ -454,8 +454,13 @@ def _stacked_tail(terms: list[_GhostTerms]) -> Tensor:
         held = _stack([x.bias_norm for x in with_bias])  # type: ignore[misc]
         # _sum_over_positions_bound, T > 1: min(P (1 + g_T), ||fl(beta)|| + g_T P) + T sqrt(d) tiny
         bias = torch.minimum(positions * b.one_plus_g, torch.addcmul(held, positions, b.g)).add_(b.absolute)
+        bias = bias.square_().mul_(nb.F64)
+        if len(with_bias) < len(terms):  # zeros in the rows of the layers without a bias (w + 0 is w, exactly)
+            rows, zero = iter(bias), torch.zeros_like(bias[0])
+            bias = torch.stack([next(rows) if x.bias_positions is not None else zero for x in terms])
         # sum_parts: the two parts added (one addition), times (1 + gamma64_2) F64; the others times (1 + gamma64_1) F64
-        weight = weight.index_add_(0, b.rows, bias.square_().mul_(nb.F64))
+        # (an addition, not index_add_, which has no deterministic CUDA kernel)
+        weight = weight.add_(bias)
     return torch.where(_stack([x.finite for x in terms]), weight.mul_(c.margins), math.nan)
 
 
@@ -466,9 +471,8 @@ def _stack(rows: list[Tensor]) -> Tensor:
 
 @dataclass(frozen=True)
 class _BiasConstants:
-    """The bias bound's constants of the layers with a trained bias (their ``rows`` among the layers)."""
+    """The bias bound's constants of the layers with a trained bias, in their order."""
 
-    rows: Tensor
     sums: Tensor
     g: Tensor
     one_plus_g: Tensor
@@ -509,7 +513,6 @@ def _tail_constants(
         underflow=column([3 * m * t * math.sqrt(d_in * d_out) * tau for d_in, d_out, t, _ in layout]),
         margins=column([(1.0 + nb.gamma(2 if bias else 1, U64)) * nb.F64 for *_, bias in layout]),
         bias=_BiasConstants(
-            rows=torch.tensor([i for i, _, _ in biased], device=device),
             sums=column([(1.0 + nb.gamma(t, U64)) * nb.F64 for _, t, _ in biased]),
             g=column([nb.gamma(t, u) for _, t, _ in biased]),
             one_plus_g=column([1.0 + nb.gamma(t, u) for _, t, _ in biased]),
