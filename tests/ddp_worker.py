@@ -137,3 +137,7 @@ def main(scenario: str, out: Path, ckpt: str | None) -> None:
 if __name__ == "__main__":
     SCENARIO = sys.argv[1]
     main(SCENARIO, Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    if torch.distributed.is_initialized():
+        # gloo's threads joined before the interpreter exits: left running, one occasionally aborted the process
+        # at exit ("terminate called without an active exception") after the run had finished and written its results
+        torch.distributed.destroy_process_group()
