@@ -124,9 +124,9 @@ class OuterProduct:
         dtype, device = self.b.dtype, self.b.device
         u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
         u_mm = nb.input_roundoff(device, "matmul")
+        if self.on_ghost_route:
+            return _ghost_tail(_shared_input_terms([self]))[0]
         weight = self.weight if self.weight_in_norms else None
-        if weight is not None and self.per_sample_weight is None and t > 1:
-            return _ghost_sq_norms(self.a, self.b, self.per_sample_bias)
         parts = []
         # one position, or G^ instantiated: whole-sample norms (cheap, no scaling: nb.sq_norm_upper), and
         # R = sum_t ||a_t|| ||b_t|| <= ||a|| ||b|| (Cauchy-Schwarz) where it only sizes a rounding slack
@@ -301,7 +301,9 @@ def ghost_route_groups(parts: Mapping[Any, Any]) -> list[list[Any]]:
 
 
 def _shared_input_terms(members: list[OuterProduct]) -> list[_GhostTerms]:
-    """Each member's :class:`_GhostTerms` over one input side per chunk of records."""
+    """Each member's :class:`_GhostTerms` (members on the ghost route that read one input, or one layer alone), over
+    one input side per chunk of records: a few records at a time (``nb.record_slices``), each record's bound computed
+    from its own values alone either way."""
     a = members[0].a
     n, t, d_in = a.shape
     widest = max(m.b.shape[2] for m in members)
@@ -312,18 +314,6 @@ def _shared_input_terms(members: list[OuterProduct]) -> list[_GhostTerms]:
             bias = None if m.per_sample_bias is None else m.per_sample_bias[records]
             terms.append(_ghost_terms(side, m.b[records], bias))
     return [_GhostTerms.cat(c) for c in chunks]
-
-
-def _ghost_sq_norms(a: Tensor, b: Tensor, per_sample_bias: Tensor | None) -> Tensor:
-    """:meth:`OuterProduct.sq_norms`'s ghost norm (``T > 1``) of the weight and, where ``per_sample_bias`` (the held
-    ``sum_t b_t``, ``[n, d_out]``) is given, of the bias: float64 ``[n]``. A few records at a time
-    (``nb.record_slices``); each record's bound is computed from its own values alone either way."""
-    n, t, d_in = a.shape
-    chunks = []
-    for records in nb.record_slices(n, t * (d_in + b.shape[2] + t), a.device):
-        bias = None if per_sample_bias is None else per_sample_bias[records]
-        chunks.append(_ghost_terms(_InputSide(a[records]), b[records], bias))
-    return _ghost_tail([_GhostTerms.cat(chunks)])[0]
 
 
 class _InputSide:

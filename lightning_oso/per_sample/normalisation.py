@@ -45,14 +45,13 @@ def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]
 
 
 def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
-    parts = []
-    size = math.prod(layer.normalized_shape)
-    for x, g in zip(inputs, backprops):
-        x_hat = F.layer_norm(x[0].to(g.dtype), layer.normalized_shape, eps=layer.eps)
-        n = g.shape[0]
-        positions = math.prod(g.shape[1 : g.dim() - len(layer.normalized_shape)])
-        parts.append((x_hat.reshape(n, positions, size), g.reshape(n, positions, size)))
-    return _normalisation(layer, parts, tuple(layer.normalized_shape), position_dim=1)
+    shape = tuple(layer.normalized_shape)
+    return _normalisation(
+        layer,
+        [_positions(F.layer_norm(x[0].to(g.dtype), shape, eps=layer.eps), g, shape) for x, g in zip(inputs, backprops)],
+        shape,
+        position_dim=1,
+    )
 
 
 @register_fast_path(nn.RMSNorm)
@@ -135,11 +134,11 @@ def _normalisation(
     spread: dict[Tensor, Tensor] = {}
     positions = sum(x_hat.shape[position_dim] for x_hat, _ in parts)
     err = 0.0
+    weight: Tensor | None = layer.weight  # type: ignore[assignment]  # a Parameter or None
+    bias: Tensor | None = getattr(layer, "bias", None)  # RMSNorm has none
     for x_hat, b in parts:
         n = b.shape[0]
         buffer = None
-        weight: Tensor | None = layer.weight  # type: ignore[assignment]  # a Parameter or None
-        bias: Tensor | None = getattr(layer, "bias", None)  # RMSNorm has none
         for param, rounded in ((weight, True), (bias, False)):
             if param is None or not param.requires_grad:
                 continue
