@@ -771,6 +771,64 @@ def test_both_routes_to_a_samples_largest_magnitude_scale_it_alike(monkeypatch, 
     assert torch.equal(a.value[a.finite].view(bits), b.value[b.finite].view(bits))
 
 
+@pytest.mark.parametrize("extremes", [True, False], ids=["amax_amin", "vector_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stacked_powers_of_two_are_each_tensors_own(monkeypatch, dtype, extremes):
+    """The ghost norms scale their tensors by powers of two computed for all of them at once
+    (``nb.stacked_powers_of_two``): each row is that tensor's own (``nb.Scaled`` alone), bit for bit, on both routes to
+    the largest magnitude, for tensors of other shapes and values beside each other (zeros of either sign, subnormals,
+    the dtype's largest values of either sign, NaN and infinities, a tensor with no entries), so that no tensor is
+    scaled by another's power."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    monkeypatch.setattr(nb, "LARGEST_FROM_EXTREMES", extremes)
+    finfo = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 3, 5, generator=g).to(dtype)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2] *= finfo.tiny * 2**-3  # subnormal
+    x[3, 1, 1] = finfo.max
+    x[4, 0, 2] = -finfo.max
+    x[5, 2, 4] = float("nan")
+    x[6, 1, 0] = float("inf")
+    x[7, 0, 0] = -float("inf")
+    y = (torch.randn(9, 4, 2, generator=g) * 1e10).to(dtype)
+    y[4] = -(2.0 ** torch.arange(8, dtype=dtype).reshape(4, 2))  # its largest magnitude a negative entry
+    sets = [[x, y, x.flip(0)], [y, torch.zeros(9, 0, 3, dtype=dtype), x]]  # the second with no entries: zeros
+    for tensors in sets:
+        stacked = nb.stacked_powers_of_two(tensors)
+        for i, t in enumerate(tensors):
+            alone, row = nb.Scaled(t), nb.Scaled(t, stacked.row(i))
+            assert torch.equal(alone.finite, row.finite), i
+            assert torch.equal(alone.factor.view(torch.int64), row.factor.view(torch.int64)), i
+            bits = torch.int32 if dtype == torch.float32 else torch.int64
+            assert torch.equal(alone.value.nan_to_num().view(bits), row.value.nan_to_num().view(bits)), i
+
+
+def test_stacked_diagonal_bounds_are_each_matrixs_own():
+    """The ghost norms bound their positions' norms from the Gram matrices' diagonals stacked
+    (``nb.stacked_gram_row_norms_upper``): each row is the bound of that matrix alone (``nb.gram_row_norms_upper``)
+    with its own width and kernel error, bit for bit, one with a kernel error too large to bound anything (inf)
+    included, and the matrices' own diagonals are left as they are."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    g = torch.Generator().manual_seed(8)
+    widths, alphas = [16, 3, 1000, 7], [1e-6, 2e-7, 1.5, 0.3]
+    grams = [torch.randn(5, 4, 4, generator=g).square() * 10.0**k for k in (0, 30, -30, 5)]
+    grams[1][2, 1, 1] = float("nan")
+    grams[3][0, 2, 2] = float("inf")
+    before = [gram.clone() for gram in grams]
+    stacked = nb.stacked_gram_row_norms_upper(
+        torch.stack([gram.diagonal(dim1=1, dim2=2) for gram in grams]), widths, alphas
+    )
+    for i, (gram, d, alpha) in enumerate(zip(grams, widths, alphas)):
+        alone = nb.gram_row_norms_upper(gram, d, alpha)
+        assert torch.equal(alone.nan_to_num().view(torch.int64), stacked[i].nan_to_num().view(torch.int64)), i
+        assert torch.equal(gram.nan_to_num(), before[i].nan_to_num()), i
+    assert torch.isinf(stacked[2]).all()
+
+
 def test_sq_norm_upper_of_float32_sums_bounds_every_record_without_scaling():
     """A normalisation layer's per-sample gradients are float64 sums of float32 values, bounded without scaling
     (``sq_norm_upper_of_float32_sums``): at float32's largest and smallest magnitudes (sums of the largest, single

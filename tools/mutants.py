@@ -540,8 +540,8 @@ MUTANTS = (
     Mutant(
         "shared_input_side_edited_by_a_member",
         "lightning_oso/per_sample/linear.py",
-        "ghost_sum = gram_b.mul_(side.gram).sum(dim=2).double().sum(dim=1)",
-        "ghost_sum = side.gram.mul_(gram_b).sum(dim=2).double().sum(dim=1)",
+        "torch.sum(gram_b.mul_(gram_a), dim=2, out=summed[member])",
+        "torch.sum(gram_a.mul_(gram_b), dim=2, out=summed[member])",
         ("tests/test_sensitivity.py::test_layers_that_read_one_input_are_bounded_as_one_layer",),
         "the first layer of a group multiplies the shared Gram matrix in place: the next layers' ghost sums read a "
         "product of Gram matrices instead of the input's",
@@ -549,11 +549,38 @@ MUTANTS = (
     Mutant(
         "largest_magnitude_misses_negatives",
         "lightning_oso/per_sample/norm_bounds.py",
-        "largest = torch.linalg.vector_norm(flat, ord=math.inf, dim=1)",
-        "largest = flat.amax(dim=1)",
+        "return torch.linalg.vector_norm(flat, ord=math.inf, dim=1)",
+        "return flat.amax(dim=1)",
         ("tests/test_sensitivity.py::test_both_routes_to_a_samples_largest_magnitude_scale_it_alike",),
         "on an accelerator a sample's largest magnitude is its largest value: a sample of large negative values is "
         "scaled too little, and its products can overflow",
+    ),
+    Mutant(
+        "stacked_largest_misses_negatives",
+        "lightning_oso/per_sample/norm_bounds.py",
+        "torch.stack([f.amin(dim=1) for f in flats]).neg_()",
+        "torch.stack([f.amax(dim=1) for f in flats])",
+        ("tests/test_sensitivity.py::test_stacked_powers_of_two_are_each_tensors_own",),
+        "the ghost norms' stacked powers of two take a CPU sample's largest magnitude as its largest value: a sample "
+        "of large negative values is scaled too little, and its products can overflow",
+    ),
+    Mutant(
+        "ghost_output_gradient_scaled_by_another_tensors_power",
+        "lightning_oso/per_sample/linear.py",
+        "gram_b = _gram(b, powers.row(row), diagonals[row])",
+        "gram_b = _gram(b, powers.row(0), diagonals[row])",
+        ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
+        "each output gradient of a ghost norm scaled by the first input's power of two while its own is put back: "
+        "the bound is off by the ratio of the two",
+    ),
+    Mutant(
+        "ghost_member_rows_off_by_one",
+        "lightning_oso/per_sample/linear.py",
+        "outputs += range(row + 1, row + 1 + count)",
+        "outputs += range(row, row + count)",
+        ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
+        "each layer's ghost norm reads the stacked row before its own: its input's (or the layer before it's) "
+        "positions' norms and power of two in place of its output gradient's",
     ),
     Mutant(
         "direction_projection_reads_one_chunk_again",

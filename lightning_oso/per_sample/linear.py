@@ -125,7 +125,7 @@ class OuterProduct:
         u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
         u_mm = nb.input_roundoff(device, "matmul")
         if self.on_ghost_route:
-            return _ghost_tail(_shared_input_terms([self]))[0]
+            return _ghost_tail(_ghost_terms([[self]]))[0]
         weight = self.weight if self.weight_in_norms else None
         parts = []
         # one position, or G^ instantiated: whole-sample norms (cheap, no scaling: nb.sq_norm_upper), and
@@ -278,16 +278,18 @@ def ghost_norms(parts: Mapping[Any, Any]) -> dict[Any, Tensor]:
       (a_t . a_s)(b_t . b_s)`` from the same scaled ``a``, its Gram matrix and its positions' norms: those are formed
       once per group, a few records at a time (a group's chunks are cut for its widest layer, which may change the
       order of a kernel's sums, nothing else);
+    - **the per-record arithmetic stacked.** Each input and output gradient is scaled and multiplied into its Gram
+      matrix on its own, but what is computed per record and position from them (the scaling's powers of two, the
+      positions' norm bounds from the Gram matrices' diagonals, the sums over positions) runs on the tensors stacked
+      ``[tensors, records, ...]``, for all the layers whose inputs have one number of records and positions
+      (``_ghost_terms``);
     - **one tail for all layers.** What follows the Gram matrices is arithmetic on a few numbers per record (the
       margins, the minimum with the triangle bound, the scale put back, the bias's bound): it runs once on the
       layers' numbers stacked ``[layers, records]``, each layer's constants a column, the same operations on the same
       values as for one layer (``_ghost_tail``)."""
-    keys: list[Any] = []
-    terms: list[_GhostTerms] = []
-    for members in ghost_route_groups(parts):
-        keys.extend(members)
-        terms.extend(_shared_input_terms([parts[k] for k in members]))
-    return dict(zip(keys, _ghost_tail(terms)))
+    groups = ghost_route_groups(parts)
+    keys = [key for members in groups for key in members]
+    return dict(zip(keys, _ghost_tail(_ghost_terms([[parts[k] for k in members] for members in groups]))))
 
 
 def ghost_route_groups(parts: Mapping[Any, Any]) -> list[list[Any]]:
@@ -298,36 +300,6 @@ def ghost_route_groups(parts: Mapping[Any, Any]) -> list[list[Any]]:
         if isinstance(part, OuterProduct) and part.on_ghost_route:
             groups.setdefault(part.input_key() if SHARED_INPUT_GHOST else (id(part),), []).append(key)
     return list(groups.values())
-
-
-def _shared_input_terms(members: list[OuterProduct]) -> list[_GhostTerms]:
-    """Each member's :class:`_GhostTerms` (members on the ghost route that read one input, or one layer alone), over
-    one input side per chunk of records: a few records at a time (``nb.record_slices``), each record's bound computed
-    from its own values alone either way."""
-    a = members[0].a
-    n, t, d_in = a.shape
-    widest = max(m.b.shape[2] for m in members)
-    chunks: list[list[_GhostTerms]] = [[] for _ in members]
-    for records in nb.record_slices(n, t * (d_in + widest + t), a.device):
-        side = _InputSide(a[records])
-        for terms, m in zip(chunks, members):
-            bias = None if m.per_sample_bias is None else m.per_sample_bias[records]
-            terms.append(_ghost_terms(side, m.b[records], bias))
-    return [_GhostTerms.cat(c) for c in chunks]
-
-
-class _InputSide:
-    """What a ghost norm takes from a layer's input ``a`` (``[n, T, d_in]``): ``a`` scaled per record by a power of
-    two (``nb.Scaled``), its Gram matrix ``fl(a a^T)`` (``[n, T, T]``, not edited by the bound) and bounds of its
-    positions' norms; the same for every layer that reads ``a``."""
-
-    def __init__(self, a: Tensor) -> None:
-        d_in = a.shape[2]
-        self.d_in = d_in
-        self.scaled = nb.Scaled(a)
-        self.gram = torch.bmm(self.scaled.value, self.scaled.value.transpose(1, 2))
-        u, u_mm = nb.unit_roundoff(a.dtype), nb.input_roundoff(a.device, "matmul")
-        self.norms = nb.gram_row_norms_upper(self.gram, d_in, nb.kernel_error(d_in, u, u_mm))
 
 
 @dataclass
@@ -373,34 +345,134 @@ class _GhostTerms:
         )
 
 
-def _ghost_terms(side: _InputSide, b: Tensor, per_sample_bias: Tensor | None) -> _GhostTerms:
-    """What a ghost norm needs of a layer's output gradients ``b`` (``[n, T, d_out]``) and its input's side: the
-    products over positions, before the tail (``_ghost_tail``)."""
-    _, t, d_out = b.shape
-    dtype, device = b.dtype, b.device
+@dataclass
+class _Chunk:
+    """A few records of one input group (``nb.record_slices``): the input ``a`` (``[r, T, d_in]``), each member's
+    output gradients and trained bias's per-sample gradients (or ``None``), and the members' places in the flat list
+    of :func:`_ghost_terms`."""
+
+    a: Tensor
+    bs: list[Tensor]
+    biases: list[Tensor | None]
+    members: list[int]
+
+
+def _ghost_terms(groups: list[list[OuterProduct]]) -> list[_GhostTerms]:
+    """The :class:`_GhostTerms` of every member of ``groups`` (layers on the ghost route that read one input each), in
+    the groups' order. Each group's records are cut into chunks (a few records at a time past ``nb.GHOST_CHUNK``
+    entries, cut for its widest layer); chunks with one dtype, device and number of records and positions are taken
+    together (:func:`_chunk_terms`), and a member's chunks joined. Each record's terms come from its own values
+    alone, by the same operations as for one layer alone."""
+    chunks: dict[tuple, list[_Chunk]] = {}
+    count = 0
+    for members in groups:
+        a = members[0].a
+        n, t, d_in = a.shape
+        widest = max(m.b.shape[2] for m in members)
+        places = list(range(count, count + len(members)))
+        count += len(members)
+        for records in nb.record_slices(n, t * (d_in + widest + t), a.device):
+            chunk = _Chunk(
+                a[records],
+                [m.b[records] for m in members],
+                [None if m.per_sample_bias is None else m.per_sample_bias[records] for m in members],
+                places,
+            )
+            chunks.setdefault((a.dtype, a.device, chunk.a.shape[0], t), []).append(chunk)
+    pieces: list[list[_GhostTerms]] = [[] for _ in range(count)]
+    for together in chunks.values():
+        for chunk, terms in zip(together, _chunk_terms(together)):
+            for place, term in zip(chunk.members, terms):
+                pieces[place].append(term)
+    return [_GhostTerms.cat(p) for p in pieces]
+
+
+def _chunk_terms(chunks: list[_Chunk]) -> list[list[_GhostTerms]]:
+    """Each chunk's members' :class:`_GhostTerms` (chunks of one dtype, device and number of records ``r`` and
+    positions ``T``). Every input and output gradient ``x`` is scaled per record by a power of two (``nb.Scaled``) and
+    multiplied into its Gram matrix ``fl(x x^T)`` (``[r, T, T]``, alive only while its chunk is taken), whose diagonal
+    bounds its positions' norms (``nb.gram_row_norms_upper``), and each member's Gram matrix times its input's is
+    summed over one position: one matrix product and a few operations per tensor. The rest, per record or position,
+    runs on the tensors stacked ``[tensors, r, ...]`` (rows: each chunk's input, then its members' output gradients):
+    the powers of two (``nb.stacked_powers_of_two``), the diagonals' bounds, the float64 sums over positions."""
+    a0 = chunks[0].a
+    dtype, device = a0.dtype, a0.device
+    r, t = a0.shape[0], a0.shape[1]
+    tensors = [x for c in chunks for x in (c.a, *c.bs)]
+    members = sum(len(c.bs) for c in chunks)
+    powers = nb.stacked_powers_of_two(tensors)
+    diagonals = torch.empty(len(tensors), r, t, dtype=dtype, device=device)
+    summed = torch.empty(members, r, t, dtype=dtype, device=device)  # sum_s of each member's (a_t.a_s)(b_t.b_s)
+    row, member = 0, 0
+    for c in chunks:
+        gram_a = _gram(c.a, powers.row(row), diagonals[row])
+        row += 1
+        for b in c.bs:
+            gram_b = _gram(b, powers.row(row), diagonals[row])
+            torch.sum(gram_b.mul_(gram_a), dim=2, out=summed[member])  # the input's Gram matrix left as it is
+            del gram_b
+            row, member = row + 1, member + 1
+        del gram_a
     u, u_mm = nb.unit_roundoff(dtype), nb.input_roundoff(device, "matmul")
-    sa, sb = side.scaled, nb.Scaled(b)
-    # per-position norms from the Gram matrices' diagonals: no further pass over a and b
-    gram_b = torch.bmm(sb.value, sb.value.transpose(1, 2))
-    norms_b = nb.gram_row_norms_upper(gram_b, d_out, nb.kernel_error(d_out, u, u_mm))
-    ghost_sum = gram_b.mul_(side.gram).sum(dim=2).double().sum(dim=1)  # the input's Gram matrix left as it is
-    del gram_b
-    bias_positions = bias_norm = None
-    if per_sample_bias is not None:
-        bias_positions = nb.times(norms_b, sb.factor[:, None], dtype).sum(dim=1)  # sum_t ||b_t||, before its margin
-        bias_norm = nb.sq_norm_upper(per_sample_bias).sqrt_().mul_(nb.F64)
-    return _GhostTerms(
-        ghost_sum,
-        (side.norms * norms_b).sum(dim=1),
-        sa.factor * sb.factor,
-        sa.finite & sb.finite,
-        bias_positions,
-        bias_norm,
-        t,
-        side.d_in,
-        d_out,
-        dtype,
-    )
+    widths = [x.shape[2] for x in tensors]
+    norms = nb.stacked_gram_row_norms_upper(diagonals, widths, [nb.kernel_error(d, u, u_mm) for d in widths])
+    del diagonals
+    ghost_sums = summed.double().sum(dim=2)
+    del summed
+    inputs, outputs = _member_rows(tuple(len(c.bs) for c in chunks), device)
+    norms_b = norms.index_select(0, outputs)
+    positions = norms.index_select(0, inputs).mul_(norms_b).sum(dim=2)  # sum_t ||a_t|| ||b_t|| (scaled)
+    factor_b = powers.factor.index_select(0, outputs)
+    factors = powers.factor.index_select(0, inputs).mul_(factor_b)  # 2^(e_a + e_b)
+    finite = powers.finite.index_select(0, inputs).logical_and_(powers.finite.index_select(0, outputs))
+    biased = any(bias is not None for c in chunks for bias in c.biases)
+    # sum_t ||b_t||, before its margin (the bias's bound, _ghost_tail)
+    bias_positions = nb.times(norms_b, factor_b.unsqueeze(2), dtype).sum(dim=2) if biased else None
+    out: list[list[_GhostTerms]] = []
+    member = 0
+    for c in chunks:
+        terms = []
+        for b, bias in zip(c.bs, c.biases):
+            terms.append(
+                _GhostTerms(
+                    ghost_sums[member],
+                    positions[member],
+                    factors[member],
+                    finite[member],
+                    None if bias is None else bias_positions[member],  # type: ignore[index]
+                    None if bias is None else nb.sq_norm_upper(bias).sqrt_().mul_(nb.F64),
+                    t,
+                    c.a.shape[2],
+                    b.shape[2],
+                    dtype,
+                )
+            )
+            member += 1
+        out.append(terms)
+    return out
+
+
+def _gram(x: Tensor, powers: nb.PowersOfTwo, diagonal: Tensor) -> Tensor:
+    """``fl(s s^T)`` (``[r, T, T]``) of ``x`` scaled per record by ``powers`` (``nb.Scaled``), its diagonal copied
+    into ``diagonal``; the scaled copy is let go."""
+    scaled = nb.Scaled(x, powers).value
+    gram = torch.bmm(scaled, scaled.transpose(1, 2))
+    diagonal.copy_(gram.diagonal(dim1=1, dim2=2))
+    return gram
+
+
+@functools.lru_cache(maxsize=64)
+def _member_rows(members_per_chunk: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """In :func:`_chunk_terms`'s stacks (each chunk's input, then its members), each member's input row and its own
+    row, as index tensors made once per layout (no copy to the device at a step)."""
+    inputs: list[int] = []
+    outputs: list[int] = []
+    row = 0
+    for count in members_per_chunk:
+        inputs += [row] * count
+        outputs += range(row + 1, row + 1 + count)
+        row += 1 + count
+    return torch.tensor(inputs, device=device), torch.tensor(outputs, device=device)
 
 
 def _ghost_tail(terms: list[_GhostTerms]) -> list[Tensor]:

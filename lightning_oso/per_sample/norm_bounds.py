@@ -33,8 +33,10 @@ gives it weight 0 in every sum (``step.clip_and_sum``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -150,6 +152,61 @@ _BITS = {  # dtype: (integer view, mantissa bits, exponent field mask)
 }
 
 
+@dataclass(frozen=True)
+class PowersOfTwo:
+    """Per-sample powers of two ``2^e`` (any shape, one per sample): ``reciprocal`` ``2^-e`` in the compute dtype,
+    ``factor`` ``2^e`` in float64, ``finite`` whether the sample holds only finite values (:class:`Scaled`)."""
+
+    reciprocal: Tensor
+    factor: Tensor
+    finite: Tensor
+
+    def row(self, i: int) -> PowersOfTwo:
+        """The powers of row ``i`` of stacked powers (:func:`stacked_powers_of_two`)."""
+        return PowersOfTwo(self.reciprocal[i], self.factor[i], self.finite[i])
+
+
+def largest_entries(x: Tensor) -> Tensor:
+    """Each sample's largest absolute entry (``[n]``, ``x``'s dtype; NaN propagated; 0 for an empty sample)."""
+    n = x.shape[0]
+    flat = x.reshape(n, math.prod(x.shape[1:]))
+    if flat.shape[1] == 0:
+        return torch.zeros(n, dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu" and LARGEST_FROM_EXTREMES:
+        # amax and amin (NaN propagates): several times faster than aminmax, abs().amax() or one vector_norm on CPU
+        return torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+    # one reduction (one kernel instead of four), the same value: the largest |x|, NaN propagated
+    return torch.linalg.vector_norm(flat, ord=math.inf, dim=1)
+
+
+def powers_of_two(largest: Tensor) -> PowersOfTwo:
+    """:class:`Scaled`'s powers from the samples' largest absolute entries (float32 or float64, any shape):
+    elementwise, so stacked samples of several tensors get each their own powers."""
+    # 2^e from the exponent field E of the largest entry (largest in [2^(E-bias), 2^(E-bias+1)) for a normal
+    # number): the power of two with field E + 1, clamped to [2, max - 2] so that it and its reciprocal are normal
+    integer, mantissa, mask = _BITS[largest.dtype]
+    field = (largest.view(integer) >> mantissa) & mask
+    finite = field != mask  # the all-ones exponent: inf or NaN
+    up = ((field + 1).clamp_(2, mask - 2) << mantissa).view(largest.dtype)
+    return PowersOfTwo(up.reciprocal(), up.double(), finite)
+
+
+def stacked_powers_of_two(tensors: Sequence[Tensor]) -> PowersOfTwo:
+    """The powers of ``k`` tensors of one dtype, device and number of samples ``n``, stacked ``[k, n]``: row ``i``
+    holds those of ``tensors[i]``, the same values as ``Scaled(tensors[i])``'s, with the exponent arithmetic done once
+    for all (a few operations instead of a few per tensor: on an accelerator, kernel launches)."""
+    n = tensors[0].shape[0]
+    flats = [x.reshape(n, math.prod(x.shape[1:])) for x in tensors]
+    if tensors[0].device.type == "cpu" and LARGEST_FROM_EXTREMES and all(f.shape[1] > 0 for f in flats):
+        # largest_entries' two reductions per tensor, their maximum taken once over the stacks
+        largest = torch.maximum(
+            torch.stack([f.amax(dim=1) for f in flats]), torch.stack([f.amin(dim=1) for f in flats]).neg_()
+        )
+    else:
+        largest = torch.stack([largest_entries(x) for x in tensors])
+    return powers_of_two(largest)
+
+
 class Scaled:
     """A tensor ``x`` of shape ``[n, ...]`` divided per sample by ``2^e_i``, ``e_i`` the exponent of sample ``i``'s
     largest absolute entry, so that the largest entry of ``x_i 2^-e_i`` lies in ``[1/2, 1)`` (below ``MAX_ENTRY`` = 4
@@ -157,29 +214,18 @@ class Scaled:
 
     ``value``: the scaled tensor (same dtype, float32 or float64; exact but for entries that underflow, each off by
     at most ``tiny``). ``factor``: ``2^e_i`` in float64, shape ``[n]``. ``finite``: whether sample ``i`` holds only
-    finite values (for the others the bound built on them must be discarded: ``with_nan``).
+    finite values (for the others the bound built on them must be discarded: ``with_nan``). ``powers``: the powers of
+    ``x`` computed already (a row of :func:`stacked_powers_of_two`); by default computed here.
     """
 
     MAX_ENTRY = 4.0
 
-    def __init__(self, x: Tensor) -> None:
+    def __init__(self, x: Tensor, powers: PowersOfTwo | None = None) -> None:
         n = x.shape[0]
-        flat = x.reshape(n, math.prod(x.shape[1:]))
-        if flat.shape[1] == 0:
-            largest = torch.zeros(n, dtype=x.dtype, device=x.device)
-        elif x.device.type == "cpu" and LARGEST_FROM_EXTREMES:
-            # amax and amin (NaN propagates): several times faster than aminmax, abs().amax() or one vector_norm on CPU
-            largest = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
-        else:  # one reduction (one kernel instead of four), the same value: the largest |x|, NaN propagated
-            largest = torch.linalg.vector_norm(flat, ord=math.inf, dim=1)
-        # 2^e from the exponent field E of the largest entry (largest in [2^(E-bias), 2^(E-bias+1)) for a normal
-        # number): the power of two with field E + 1, clamped to [2, max - 2] so that it and its reciprocal are normal
-        integer, mantissa, mask = _BITS[x.dtype]
-        field = (largest.view(integer) >> mantissa) & mask
-        self.finite = field != mask  # the all-ones exponent: inf or NaN
-        up = ((field + 1).clamp_(2, mask - 2) << mantissa).view(x.dtype)
-        self.value = x * up.reciprocal().reshape((n,) + (1,) * (x.dim() - 1))  # exact: powers of two
-        self.factor = up.double()
+        powers = powers if powers is not None else powers_of_two(largest_entries(x))
+        self.value = x * powers.reciprocal.reshape((n,) + (1,) * (x.dim() - 1))  # exact: powers of two
+        self.factor = powers.factor
+        self.finite = powers.finite
 
 
 def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
@@ -193,6 +239,46 @@ def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:
     # diagonal that the caller's ghost sum still reads
     diagonal = gram.diagonal(dim1=1, dim2=2).to(torch.float64, copy=True)
     return diagonal.add_(d * t).mul_(F64 * F64 / (1.0 - alpha)).sqrt_().add_(math.sqrt(d) * t)
+
+
+def stacked_gram_row_norms_upper(diagonals: Tensor, widths: Sequence[int], alphas: Sequence[float]) -> Tensor:
+    """:func:`gram_row_norms_upper` of ``k`` Gram matrices at once, from their diagonals stacked ``[k, n, T]`` (the
+    compute dtype; a float64 stack is overwritten): row ``i`` bounds the rows of width ``widths[i]`` whose Gram matrix
+    (by a kernel with error ``alphas[i]``) had the diagonal ``diagonals[i]``. The same operations on the same values as
+    for each matrix alone, each matrix's constants a column; float64 ``[k, n, T]``."""
+    c = _diagonal_constants(tuple(widths), tuple(alphas), diagonals.dtype, diagonals.device)
+    bounds = diagonals.to(torch.float64).add_(c.absolute).mul_(c.relative).sqrt_().add_(c.scaling)
+    for i, alpha in enumerate(alphas):
+        if alpha >= 1:  # no bound from the diagonal (a setting: the width), as gram_row_norms_upper
+            bounds[i].fill_(math.inf)
+    return bounds
+
+
+@dataclass(frozen=True)
+class _DiagonalConstants:
+    """:func:`gram_row_norms_upper`'s constants of each stacked matrix, float64 ``[k, 1, 1]`` columns on the device."""
+
+    absolute: Tensor
+    relative: Tensor
+    scaling: Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _diagonal_constants(
+    widths: tuple[int, ...], alphas: tuple[float, ...], dtype: torch.dtype, device: torch.device
+) -> _DiagonalConstants:
+    """Made once per layout (widths, dtype, device and the kernels' errors: settings, never data), so that a step
+    copies no constant to the device."""
+    t = tiny(dtype)
+
+    def column(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), 1, 1)
+
+    return _DiagonalConstants(
+        absolute=column([d * t for d in widths]),
+        relative=column([F64 * F64 / (1.0 - a) if a < 1 else 1.0 for a in alphas]),
+        scaling=column([math.sqrt(d) * t for d in widths]),
+    )
 
 
 def records_per_chunk(per_record: int, device: torch.device) -> int:
