@@ -550,6 +550,56 @@ def test_norms_with_composite_layers_taken_together_equal_each_parts_own(norm_fi
     bk.remove()
 
 
+@pytest.mark.parametrize("chunk", ["whole", "record_by_record"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normalisation_bounds_taken_together_equal_each_layers_own(dtype, chunk, monkeypatch):
+    """The hooks bound the normalisation layers' per-sample gradients all at once (``normalisation.settle_bounds``,
+    the parameters of one size stacked): every layer's squared norms are those it gets bounded alone, bit for bit, on
+    LayerNorms of two widths and two numbers of positions (one without bias, one called twice), an RMSNorm and a
+    GroupNorm, with a huge record and one whose positions cancel, in float32 and float64, and with the records taken
+    one chunk each."""
+    from lightning_oso.per_sample import normalisation
+
+    class Norms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.narrow = nn.LayerNorm(4, bias=False)
+            self.rms = nn.RMSNorm(8)
+            self.gn = nn.GroupNorm(2, 4)
+            self.long = nn.LayerNorm(8)  # 20 times the positions: a larger rounding allowance than the others'
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, T, 8]
+            h = self.ln(x) + self.ln(2 * x)  # called twice: its positions over both calls
+            narrow = self.narrow(h[..., :4])
+            grouped = self.gn(h[..., 4:].transpose(1, 2)).transpose(1, 2)
+            long = self.long(h.repeat(1, 20, 1)).reshape(h.shape[0], 20, *h.shape[1:]).sum(dim=1)
+            return torch.cat([self.rms(h), narrow, grouped, long], dim=-1)
+
+    if chunk == "record_by_record":
+        monkeypatch.setattr(nb, "GHOST_CHUNK", 1)
+    torch.manual_seed(0)
+    module = Norms().to(dtype)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 6, 8, generator=g, dtype=dtype)
+    x[3] *= 1e30 if dtype == torch.float64 else 1e18
+    v = torch.randn(5, 6, 24, generator=g, dtype=dtype)
+    v[2, 1] = -(1 - 1e-4) * v[2, 0]  # near-cancelling output gradients at two positions
+    runs = []
+    for together in (True, False):
+        bk = BookKeeping(module, loss_reduction="sum")
+        (module(x) * v).sum().backward()
+        parts = bk._compute()
+        assert all(isinstance(part, normalisation.Normalised) for part in parts.values())
+        runs.append(hooks._sq_norms(parts) if together else {key: part.sq_norms() for key, part in parts.items()})
+        bk.remove()
+    together, alone = runs
+    assert len(together) == 5
+    for key in together:
+        assert torch.equal(together[key].view(torch.int64), alone[key].view(torch.int64)), key
+        assert torch.isfinite(together[key]).all(), key
+
+
 def test_layers_that_read_different_inputs_are_bounded_apart():
     """Layers whose inputs have one shape and layout but other values are not grouped, each bounded from its own
     input: ``3 h`` (other memory) beside ``h``, and two views of one tensor at different offsets. Each record's norm is

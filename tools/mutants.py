@@ -549,8 +549,8 @@ MUTANTS = (
     Mutant(
         "largest_magnitude_misses_negatives",
         "lightning_oso/per_sample/norm_bounds.py",
-        "return torch.linalg.vector_norm(flat, ord=math.inf, dim=1)",
-        "return flat.amax(dim=1)",
+        "return torch.linalg.vector_norm(x, ord=math.inf, dim=dims)",
+        "return x.amax(dim=dims)",
         ("tests/test_sensitivity.py::test_both_routes_to_a_samples_largest_magnitude_scale_it_alike",),
         "on an accelerator a sample's largest magnitude is its largest value: a sample of large negative values is "
         "scaled too little, and its products can overflow",
@@ -558,8 +558,8 @@ MUTANTS = (
     Mutant(
         "stacked_largest_misses_negatives",
         "lightning_oso/per_sample/norm_bounds.py",
-        "torch.stack([f.amin(dim=1) for f in flats]).neg_()",
-        "torch.stack([f.amax(dim=1) for f in flats])",
+        "torch.stack([x.amin(dim=dims) for x, dims in views]).neg_(),",
+        "torch.stack([x.amax(dim=dims) for x, dims in views]),",
         ("tests/test_sensitivity.py::test_stacked_powers_of_two_are_each_tensors_own",),
         "the ghost norms' stacked powers of two take a CPU sample's largest magnitude as its largest value: a sample "
         "of large negative values is scaled too little, and its products can overflow",
@@ -581,6 +581,24 @@ MUTANTS = (
         ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
         "each layer's ghost norm reads the stacked row before its own: its input's (or the layer before it's) "
         "positions' norms and power of two in place of its output gradient's",
+    ),
+    Mutant(
+        "normalisation_bounds_on_other_parameters",
+        "lightning_oso/per_sample/normalisation.py",
+        "for (part, p), bound in zip(members, bounds):",
+        "for (part, p), bound in zip(members, bounds.flip(0)):",
+        ("tests/test_sensitivity.py::test_normalisation_bounds_taken_together_equal_each_layers_own",),
+        "the normalisation layers' bounds, taken together, given to the parameters in the wrong order: a layer is "
+        "clipped by another layer's norm",
+    ),
+    Mutant(
+        "normalisation_err_of_the_first_layer",
+        "lightning_oso/per_sample/normalisation.py",
+        "err=column([err for err, _ in layout]),",
+        "err=column([layout[0][0] for err, _ in layout]),",
+        ("tests/test_sensitivity.py::test_normalisation_bounds_taken_together_equal_each_layers_own",),
+        "the normalisation layers' bounds taken together with the first layer's rounding allowance: a layer with "
+        "more positions gets too little for its sums' rounding",
     ),
     Mutant(
         "direction_projection_reads_one_chunk_again",

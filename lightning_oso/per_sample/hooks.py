@@ -29,6 +29,7 @@ from lightning_oso.per_sample.composite import Composite, CompositePart, composi
 from lightning_oso.per_sample.fallback import Generators, opacus_fallback
 from lightning_oso.per_sample.frozen import FrozenWeights
 from lightning_oso.per_sample.linear import ghost_norms
+from lightning_oso.per_sample.normalisation import Normalised, settle_bounds
 from lightning_oso.per_sample.parts import U64, Sums, at_least_float32, sum_dtype, sum_parts
 from lightning_oso.per_sample.registry import fast_path
 from lightning_oso.per_sample.tied import tied_part
@@ -346,6 +347,7 @@ def _sq_norms(computed: dict[Any, Any]) -> dict[Any, Tensor]:
         else:
             entries[key] = part
     ghost = ghost_norms(entries)
+    settle_bounds([part for part in entries.values() if isinstance(part, Normalised)])
     squares = {}
     for key, part in computed.items():
         if isinstance(part, CompositePart):

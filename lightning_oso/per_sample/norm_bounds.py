@@ -169,14 +169,22 @@ class PowersOfTwo:
 def largest_entries(x: Tensor) -> Tensor:
     """Each sample's largest absolute entry (``[n]``, ``x``'s dtype; NaN propagated; 0 for an empty sample)."""
     n = x.shape[0]
-    flat = x.reshape(n, math.prod(x.shape[1:]))
-    if flat.shape[1] == 0:
+    if math.prod(x.shape[1:]) == 0:
         return torch.zeros(n, dtype=x.dtype, device=x.device)
+    x, dims = _per_sample(x)
     if x.device.type == "cpu" and LARGEST_FROM_EXTREMES:
         # amax and amin (NaN propagates): several times faster than aminmax, abs().amax() or one vector_norm on CPU
-        return torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+        return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg_())
     # one reduction (one kernel instead of four), the same value: the largest |x|, NaN propagated
-    return torch.linalg.vector_norm(flat, ord=math.inf, dim=1)
+    return torch.linalg.vector_norm(x, ord=math.inf, dim=dims)
+
+
+def _per_sample(x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """``x`` (at least 2-D; a 1-D one as ``[n, 1]``) and its dims after the first, reduced over in place of a flat
+    ``[n, P]`` view: a reshape of a strided tensor (a chunk of records, an attention's projection) would copy it."""
+    if x.dim() == 1:
+        x = x.unsqueeze(1)
+    return x, tuple(range(1, x.dim()))
 
 
 def powers_of_two(largest: Tensor) -> PowersOfTwo:
@@ -195,12 +203,12 @@ def stacked_powers_of_two(tensors: Sequence[Tensor]) -> PowersOfTwo:
     """The powers of ``k`` tensors of one dtype, device and number of samples ``n``, stacked ``[k, n]``: row ``i``
     holds those of ``tensors[i]``, the same values as ``Scaled(tensors[i])``'s, with the exponent arithmetic done once
     for all (a few operations instead of a few per tensor: on an accelerator, kernel launches)."""
-    n = tensors[0].shape[0]
-    flats = [x.reshape(n, math.prod(x.shape[1:])) for x in tensors]
-    if tensors[0].device.type == "cpu" and LARGEST_FROM_EXTREMES and all(f.shape[1] > 0 for f in flats):
+    if tensors[0].device.type == "cpu" and LARGEST_FROM_EXTREMES and all(math.prod(x.shape[1:]) for x in tensors):
         # largest_entries' two reductions per tensor, their maximum taken once over the stacks
+        views = [_per_sample(x) for x in tensors]
         largest = torch.maximum(
-            torch.stack([f.amax(dim=1) for f in flats]), torch.stack([f.amin(dim=1) for f in flats]).neg_()
+            torch.stack([x.amax(dim=dims) for x, dims in views]),
+            torch.stack([x.amin(dim=dims) for x, dims in views]).neg_(),
         )
     else:
         largest = torch.stack([largest_entries(x) for x in tensors])

@@ -4,8 +4,10 @@ rounding stays bounded (docs/algorithms.md, "Sensitivity of the fast path")."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,11 +20,11 @@ from lightning_oso.per_sample.registry import register_fast_path
 
 
 def _by_records(
-    compute: Callable[[Any, list[tuple], list[Tensor]], Instantiated],
+    compute: Callable[[Any, list[tuple], list[Tensor]], Normalised],
     layer: nn.Module,
     inputs: list[tuple],
     backprops: list[Tensor],
-) -> Instantiated:
+) -> Normalised:
     """``compute(layer, inputs, backprops)`` a few records at a time (``nb.record_slices`` of the output gradients),
     the chunks' per-sample gradients and bounds joined: the layer recomputes its normalised input, a copy of its
     activations, and a batch-sized copy is fresh pages at every step (35-45% of the time on a ``[32, 512, 768]``
@@ -32,19 +34,15 @@ def _by_records(
     if len(slices) == 1:
         return compute(layer, inputs, backprops)
     chunks = [compute(layer, [(x[0][s],) for x in inputs], [g[s] for g in backprops]) for s in slices]
-    params = list(chunks[0].grads)
-    return Instantiated(
-        {p: torch.cat([c.grads[p] for c in chunks]) for p in params},
-        bounds={p: torch.cat([c.bounds[p] for c in chunks]) for p in params},
-    )
+    return Normalised.joined(chunks)
 
 
 @register_fast_path(nn.LayerNorm)
-def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     return _by_records(_layer_norm, layer, inputs, backprops)
 
 
-def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     shape = tuple(layer.normalized_shape)
     return _normalisation(
         layer,
@@ -55,11 +53,11 @@ def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor
 
 
 @register_fast_path(nn.RMSNorm)
-def rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     return _by_records(_rms_norm, layer, inputs, backprops)
 
 
-def _rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def _rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     shape = tuple(layer.normalized_shape)
     return _normalisation(
         layer,
@@ -80,11 +78,11 @@ LLAMA_RMS_NORMS = tuple(
 
 
 @register_fast_path(*LLAMA_RMS_NORMS)
-def llama_rms_norm(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def llama_rms_norm(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     return _by_records(_llama_rms_norm, layer, inputs, backprops)
 
 
-def _llama_rms_norm(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def _llama_rms_norm(layer: nn.Module, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     shape = tuple(layer.weight.shape)  # type: ignore[arg-type]  # transformers' RMSNorm: a Parameter
     parts = []
     for x, g in zip(inputs, backprops):
@@ -103,11 +101,11 @@ def _positions(x_hat: Tensor, g: Tensor, shape: tuple) -> tuple[Tensor, Tensor]:
 
 
 @register_fast_path(nn.GroupNorm)
-def group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     return _by_records(_group_norm, layer, inputs, backprops)
 
 
-def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Instantiated:
+def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
     parts = []
     for x, g in zip(inputs, backprops):
         x_hat = F.group_norm(x[0].to(g.dtype), layer.num_groups, eps=layer.eps)
@@ -117,19 +115,17 @@ def _group_norm(layer: nn.GroupNorm, inputs: list[tuple], backprops: list[Tensor
     return _normalisation(layer, parts, (layer.num_channels,), position_dim=-1)
 
 
-def _normalisation(
-    layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int
-) -> Instantiated:
+def _normalisation(layer: nn.Module, parts: list[tuple[Tensor, Tensor]], shape: tuple, position_dim: int) -> Normalised:
     """LayerNorm/GroupNorm/RMSNorm from the ``(x_hat, b)`` of each call, positions along ``position_dim``, ``x_hat``
     as the layer computes it (the values its forward used): the weight's per-sample gradient is ``sum_t x_hat_t *
     b_t``, the bias's (none for RMSNorm) ``sum_t b_t``, sums over positions that can cancel. Each is summed by
     ``_sum_over_positions`` (float64 in the end) after one rounded product, so ``G64`` is within ``err sum_t
     |term_t|`` (entrywise, plus ``T tiny`` of underflow) of the exact sum, and is held in the compute dtype (``G``,
     within ``u |G64|`` and ``tiny``). The bound ``(||G64|| + err ||sum_t |term_t| ||) (1 + u) + sqrt(D) tiny`` covers
-    both the exact gradient and ``G``."""
+    both the exact gradient and ``G``; it is formed later, with the other normalisation layers'
+    (:func:`settle_bounds`)."""
     dtype = parts[0][1].dtype
-    u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
-    width = math.prod(shape)
+    u = nb.unit_roundoff(dtype)
     grads64: dict[Tensor, Tensor] = {}
     spread: dict[Tensor, Tensor] = {}
     positions = sum(x_hat.shape[position_dim] for x_hat, _ in parts)
@@ -149,18 +145,105 @@ def _normalisation(
             buffer = term.abs_() if rounded else torch.abs(term, out=buffer)  # no new tensor of this size
             accumulate(spread, param, _positive_sum_upper(buffer, position_dim).reshape(n, *shape))
     err = (1 + err) * (1 + nb.gamma(len(parts), U64)) - 1  # the sum over calls
-    grads: dict[Tensor, Tensor] = {}
-    bounds: dict[Tensor, Tensor] = {}
-    # in float32 (or 16-bit upcast) both are float64 sums of float32 values: squared without scaling; in float64 any
-    # float64 value, which the general bound scales
-    sq_norm = nb.sq_norm_upper_of_float32_sums if dtype != torch.float64 else nb.sq_norm_upper
-    for p, g64 in grads64.items():
-        magnitude = sq_norm(spread[p]).sqrt_().mul_(nb.F64)
-        held = sq_norm(g64).sqrt_().mul_(nb.F64)
-        slack = magnitude.mul_(err).add_(2 * positions * math.sqrt(width) * tau)
-        bounds[p] = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
-        grads[p] = g64.to(dtype)
-    return Instantiated(grads, bounds=bounds)
+    return Normalised({p: g64.to(dtype) for p, g64 in grads64.items()}, grads64, spread, err, positions)
+
+
+class Normalised(Instantiated):
+    """A normalisation layer's part (:func:`_normalisation`): its per-sample gradients ``G`` held, and the float64
+    sums ``G64`` and spreads ``sum_t |term_t|`` kept until their bounds are first needed. The hooks ask for the bounds
+    of all normalisation layers of a step at once (:func:`settle_bounds`: a few operations on them stacked, instead of a
+    few per parameter); :meth:`sq_norms` and :meth:`take` settle this part's alone."""
+
+    def __init__(
+        self, grads: dict[Tensor, Tensor], sums: dict[Tensor, Tensor], spreads: dict[Tensor, Tensor], err: float,
+        positions: int,
+    ) -> None:  # fmt: skip
+        super().__init__(grads)
+        self.sums: dict[Tensor, Tensor] | None = sums
+        self.spreads = spreads
+        self.err = err
+        self.positions = positions
+
+    @staticmethod
+    def joined(chunks: list[Normalised]) -> Normalised:
+        """The parts of a layer's chunks of records (:func:`_by_records`), records end to end: the constants depend
+        on shapes alone, the same for every chunk."""
+        first = chunks[0]
+        assert first.sums is not None  # a chunk's bounds are not settled before the chunks are joined
+
+        def joined(field: str) -> dict[Tensor, Tensor]:
+            return {p: torch.cat([getattr(c, field)[p] for c in chunks]) for p in first.grads}
+
+        return Normalised(joined("grads"), joined("sums"), joined("spreads"), first.err, first.positions)
+
+    def sq_norms(self) -> Tensor:
+        settle_bounds([self])
+        return super().sq_norms()
+
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        settle_bounds([self])
+        return super().take(param)
+
+
+def settle_bounds(parts: list[Normalised]) -> None:
+    """The bounds of ``parts`` not settled yet (``Normalised.bounds``): of ``G64`` and ``G``, ``(||G64|| + err
+    ||sum_t |term_t| ||) (1 + u) + sqrt(D) tiny`` with ``2 T sqrt(D) tiny`` of underflow in the slack
+    (:func:`_normalisation`). Parameters of one compute dtype, device, number of records and size ``D`` are bounded
+    together, each one's constants a column: per element the same operations as for one alone."""
+    groups: dict[tuple, list[tuple[Normalised, Tensor]]] = {}
+    for part in parts:
+        if part.sums is not None:
+            for p, g64 in part.sums.items():
+                groups.setdefault((part.dtype, g64.device, g64.shape[0], p.numel()), []).append((part, p))
+    for (dtype, _, _, width), members in groups.items():
+        u, tau = nb.unit_roundoff(dtype), nb.tiny(dtype)
+        magnitude = _sq_norms([part.spreads[p] for part, p in members], dtype).sqrt_().mul_(nb.F64)
+        held = _sq_norms([part.sums[p] for part, p in members], dtype).sqrt_().mul_(nb.F64)  # type: ignore[index]
+        c = _bound_constants(tuple((part.err, part.positions) for part, _ in members), width, tau, held.device)
+        slack = magnitude.mul_(c.err).add_(c.underflow)
+        bounds = held.add_(slack).mul_((1 + u) * nb.F64).add_(math.sqrt(width) * tau)
+        for (part, p), bound in zip(members, bounds):
+            part.bounds[p] = bound
+    for part in parts:
+        part.sums = None
+        part.spreads = {}
+
+
+def _sq_norms(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Upper bounds of the per-sample squared norms of ``k`` float64 tensors of one shape ``[n, ...]``, stacked ``[k,
+    n]``. For a float32 (or 16-bit upcast) layer they are float64 sums of float32 values, squared without scaling
+    (``nb.sq_norm_upper_of_float32_sums``), all at once; for a float64 layer any float64 values, which the general
+    bound scales, one at a time."""
+    if dtype == torch.float64:
+        return torch.stack([nb.sq_norm_upper(x) for x in tensors])
+    n, width = tensors[0].shape[0], math.prod(tensors[0].shape[1:])
+    stacked = torch.stack([x.reshape(n, width) for x in tensors])
+    return nb.sq_norm_upper_of_float32_sums(stacked.reshape(len(tensors) * n, width)).reshape(len(tensors), n)
+
+
+@dataclass(frozen=True)
+class _BoundConstants:
+    """:func:`settle_bounds`'s constants of each stacked parameter: ``err`` and the slack's underflow ``2 T sqrt(D)
+    tiny``, float64 ``[k, 1]`` columns on the device."""
+
+    err: Tensor
+    underflow: Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_constants(
+    layout: tuple[tuple[float, int], ...], width: int, tau: float, device: torch.device
+) -> _BoundConstants:
+    """Made once per layout (each parameter's ``err`` and number of positions, from shapes and settings, never
+    data), so that a step copies no constant to the device."""
+
+    def column(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), 1)
+
+    return _BoundConstants(
+        err=column([err for err, _ in layout]),
+        underflow=column([2 * positions * math.sqrt(width) * tau for _, positions in layout]),
+    )
 
 
 _BLOCK = 32  # positions summed in float32 before the blocks' sums go to float64 (``_sum_over_positions``)
