@@ -601,6 +601,15 @@ MUTANTS = (
         "more positions gets too little for its sums' rounding",
     ),
     Mutant(
+        "ghost_bias_norms_of_other_layers",
+        "lightning_oso/per_sample/linear.py",
+        "torch.stack([nb.sq_norm_upper(bias) for bias in biases])",
+        "torch.stack([nb.sq_norm_upper(bias) for bias in biases[::-1]])",
+        ("tests/test_sensitivity.py::test_ghost_norms_together_equal_each_layers_own_bit_for_bit",),
+        "the ghost norms' bias bounds, taken together, given to the layers in the wrong order: a layer's bias is "
+        "bounded by another layer's",
+    ),
+    Mutant(
         "direction_projection_reads_one_chunk_again",
         "lightning_oso/step.py",
         "torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))",

@@ -425,9 +425,12 @@ def _chunk_terms(chunks: list[_Chunk]) -> list[list[_GhostTerms]]:
     factor_b = powers.factor.index_select(0, outputs)
     factors = powers.factor.index_select(0, inputs).mul_(factor_b)  # 2^(e_a + e_b)
     finite = powers.finite.index_select(0, inputs).logical_and_(powers.finite.index_select(0, outputs))
-    biased = any(bias is not None for c in chunks for bias in c.biases)
-    # sum_t ||b_t||, before its margin (the bias's bound, _ghost_tail)
-    bias_positions = nb.times(norms_b, factor_b.unsqueeze(2), dtype).sum(dim=2) if biased else None
+    biases = [bias for c in chunks for bias in c.biases if bias is not None]
+    bias_positions = bias_norms = None
+    if biases:
+        # sum_t ||b_t||, before its margin, and the norm of the held sum (the bias's bound, _ghost_tail)
+        bias_positions = nb.times(norms_b, factor_b.unsqueeze(2), dtype).sum(dim=2)
+        bias_norms = iter(torch.stack([nb.sq_norm_upper(bias) for bias in biases]).sqrt_().mul_(nb.F64))
     out: list[list[_GhostTerms]] = []
     member = 0
     for c in chunks:
@@ -440,7 +443,7 @@ def _chunk_terms(chunks: list[_Chunk]) -> list[list[_GhostTerms]]:
                     factors[member],
                     finite[member],
                     None if bias is None else bias_positions[member],  # type: ignore[index]
-                    None if bias is None else nb.sq_norm_upper(bias).sqrt_().mul_(nb.F64),
+                    None if bias is None else next(bias_norms),  # type: ignore[arg-type]
                     t,
                     c.a.shape[2],
                     b.shape[2],
