@@ -360,9 +360,8 @@ class _Chunk:
 def _ghost_terms(groups: list[list[OuterProduct]]) -> list[_GhostTerms]:
     """The :class:`_GhostTerms` of every member of ``groups`` (layers on the ghost route that read one input each), in
     the groups' order. Each group's records are cut into chunks (a few records at a time past ``nb.GHOST_CHUNK``
-    entries, cut for its widest layer); the groups of one chunk with one dtype, device and number of records and
-    positions are taken together (:func:`_chunk_terms`), a larger group's chunks one by one, and a member's chunks
-    joined. Each record's terms come from its own values
+    entries, cut for its widest layer); chunks with one dtype, device and number of records and positions are taken
+    together (:func:`_chunk_terms`), and a member's chunks joined. Each record's terms come from its own values
     alone, by the same operations as for one layer alone."""
     chunks: dict[tuple, list[_Chunk]] = {}
     count = 0
@@ -372,17 +371,14 @@ def _ghost_terms(groups: list[list[OuterProduct]]) -> list[_GhostTerms]:
         widest = max(m.b.shape[2] for m in members)
         places = list(range(count, count + len(members)))
         count += len(members)
-        slices = nb.record_slices(n, t * (d_in + widest + t), a.device)
-        for records in slices:
+        for records in nb.record_slices(n, t * (d_in + widest + t), a.device):
             chunk = _Chunk(
                 a[records],
                 [m.b[records] for m in members],
                 [None if m.per_sample_bias is None else m.per_sample_bias[records] for m in members],
                 places,
             )
-            # a group cut into chunks is large: each chunk alone, its tensors read again while they are in cache
-            key = (a.dtype, a.device, chunk.a.shape[0], t) if len(slices) == 1 else (len(chunks),)
-            chunks.setdefault(key, []).append(chunk)
+            chunks.setdefault((a.dtype, a.device, chunk.a.shape[0], t), []).append(chunk)
     pieces: list[list[_GhostTerms]] = [[] for _ in range(count)]
     for together in chunks.values():
         for chunk, terms in zip(together, _chunk_terms(together)):
