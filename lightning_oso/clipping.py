@@ -417,8 +417,9 @@ class OSOClipping(ClippingRule):
             lr_sign = torch.sign(flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
             lr_factor = torch.exp(self.lr_lr * lr_sign)
-        # the release's own tensors, which nothing edits: the strategy writes copies of them into p.grad
-        self.prev_gradient = [g.detach() for g in gradient]
+        # the release's own tensors, which nothing edits: the strategy writes copies of them into p.grad (made by the
+        # release, they carry no autograd history: detached only if one does)
+        self.prev_gradient = [g.detach() if g.requires_grad else g for g in gradient]
         self._prev_direction = direction
         return lr_factor
 

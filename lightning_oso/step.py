@@ -35,6 +35,7 @@ sum, selected elementwise (``torch.where``, never a branch on the data), and the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,7 +130,6 @@ class DeferredQuery:
         # [1, *shape] view of it (for the materialised q~, one tensor per parameter)
         self._flat = torch.cat([s.reshape(-1) for s in sums]) if sums else torch.zeros(0)
         self._shapes = [s.shape for s in sums]
-        self._sums = self._views()
         self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
         self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
         self._vector_std = vector_std  # the std of each coordinate of a materialised q~
@@ -163,6 +163,12 @@ class DeferredQuery:
         noisy = self._materialise_noise(self._sums, self._vector_std.reshape(1))
         return [q[0] / self._expected_batch_size for q in noisy]
 
+    @property
+    def _sums(self) -> list[Tensor]:
+        """Per parameter, its ``[1, *shape]`` view of the flat row, made when asked (a view per parameter is a call
+        each, and the inner product reads the flat row)."""
+        return self._views()
+
     def _views(self) -> list[Tensor]:
         """Per parameter, its ``[1, *shape]`` view of the flat row."""
         parts = self._flat.split([math.prod(shape) for shape in self._shapes])
@@ -170,7 +176,6 @@ class DeferredQuery:
 
     def to(self, device: torch.device) -> DeferredQuery:
         self._flat = self._flat.to(device)
-        self._sums = self._views()
         self._noise, self._scalar_std = self._noise.to(device), self._scalar_std.to(device)
         self._vector_std = self._vector_std.to(device)
         return self
@@ -193,9 +198,10 @@ class SanitisedStep:
     gradient_row: int = 0
     deferred: tuple[DeferredQuery, ...] = ()
 
-    @property
+    @functools.cached_property
     def gradients(self) -> list[Tensor]:
-        """The sanitised gradient of each parameter (row ``gradient_row`` of its sums)."""
+        """The sanitised gradient of each parameter (row ``gradient_row`` of its sums; views, made once: the strategy
+        and the rule's update both read them)."""
         return [s[self.gradient_row] for s in self.sums]
 
 
@@ -305,7 +311,7 @@ def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums 
     scalars = torch.where(finite, contributions, 0.0).sum(dim=0) if contributions is not None else None
     if into is None:
         return ClippedSums(
-            sums=[s.to(sum_dtype(s.dtype)) for s in sums],
+            sums=[s if s.dtype == sum_dtype(s.dtype) else s.to(sum_dtype(s.dtype)) for s in sums],
             scalars=None if scalars is None else scalars.to(sum_dtype(scalars.dtype)),
             norms=[norms],
             micro_batches=1,
@@ -341,8 +347,9 @@ def _release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, w
     stds = rule.noise_stds().to(totals.vectors[0].device)
     multipliers = rule.query_multipliers()
     vectors = len(stds) - rule.DEFERRED_ROWS  # rows released as vectors; the deferred ones come last
-    released_rows = [s[:vectors] for s in totals.vectors]
-    deferred_rows = [s[vectors:] for s in totals.vectors]  # views: never noised as vectors, never returned
+    # views (the rows' slices only where there are deferred rows: a view per parameter is a call each); the deferred
+    # rows are never noised as vectors, never returned
+    released_rows = [s[:vectors] for s in totals.vectors] if rule.DEFERRED_ROWS else list(totals.vectors)
 
     # the write-ahead record: charged (and on disk) before anything of the step can leave this function
     if wiring.record_step is not None:
@@ -350,7 +357,7 @@ def _release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, w
 
     # -> release on the grid: a model-sized integer draw on each vector row; for a deferred row, one integer (its
     # noise along the one vector it will be read with)
-    coordinates = sum(s[0].numel() for s in totals.vectors)
+    coordinates = sum(math.prod(s.shape[1:]) for s in totals.vectors)
     row_stds = [exact_noise.grid_noise_std(stds[k], multipliers[k], coordinates) for k in range(len(stds))]
     noisy = add_noise(released_rows, torch.stack(row_stds[:vectors])) if vectors else []
     noisy_scalars: list[Tensor] = []
@@ -373,7 +380,7 @@ def _release(clipped: ClippedSums, rule: StepRule, expected_batch_size: float, w
     scalars = average(noisy_scalars, expected_batch_size)
     queries = tuple(
         DeferredQuery(
-            [s[row : row + 1] for s in deferred_rows],
+            [s[vectors + row : vectors + row + 1] for s in totals.vectors],
             deferred_noise[0][row],
             deferred_stds[row],
             row_stds[vectors + row],
@@ -447,7 +454,7 @@ def add_gaussian_noise(sums: Sequence[Tensor], stds: Tensor, generator: Generato
     if not sums:
         return []
     rows = sums[0].shape[0]
-    sizes = [s[0].numel() for s in sums]
+    sizes = [math.prod(s.shape[1:]) for s in sums]
     # one float64 copy of all the rows, converted on the way (exact from any narrower float), released in place; each
     # part copied into its columns (torch.cat with a float64 out= converts about seven times slower on a CPU)
     flat = torch.empty(rows, sum(sizes), dtype=torch.float64, device=sums[0].device)

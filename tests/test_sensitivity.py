@@ -849,7 +849,8 @@ def test_stacked_powers_of_two_are_each_tensors_own(monkeypatch, dtype, extremes
     for tensors in sets:
         stacked = nb.stacked_powers_of_two(tensors)
         for i, t in enumerate(tensors):
-            alone, row = nb.Scaled(t), nb.Scaled(t, stacked.row(i))
+            row_powers = nb.PowersOfTwo(stacked.reciprocal[i], stacked.factor[i], stacked.finite[i])
+            alone, row = nb.Scaled(t), nb.Scaled(t, row_powers)
             assert torch.equal(alone.finite, row.finite), i
             assert torch.equal(alone.factor.view(torch.int64), row.factor.view(torch.int64)), i
             bits = torch.int32 if dtype == torch.float32 else torch.int64

@@ -567,8 +567,8 @@ MUTANTS = (
     Mutant(
         "ghost_output_gradient_scaled_by_another_tensors_power",
         "lightning_oso/per_sample/linear.py",
-        "gram_b = _gram(b, powers.row(row), diagonals[row])",
-        "gram_b = _gram(b, powers.row(0), diagonals[row])",
+        "gram_b = _gram(b, powers.reciprocal[row], diagonals[row])",
+        "gram_b = _gram(b, powers.reciprocal[0], diagonals[row])",
         ("tests/test_sensitivity.py::test_cancelling_positions_cannot_hide_a_records_norm",),
         "each output gradient of a ghost norm scaled by the first input's power of two while its own is put back: "
         "the bound is off by the ratio of the two",

@@ -405,10 +405,10 @@ def _chunk_terms(chunks: list[_Chunk]) -> list[list[_GhostTerms]]:
     summed = torch.empty(members, r, t, dtype=dtype, device=device)  # sum_s of each member's (a_t.a_s)(b_t.b_s)
     row, member = 0, 0
     for c in chunks:
-        gram_a = _gram(c.a, powers.row(row), diagonals[row])
+        gram_a = _gram(c.a, powers.reciprocal[row], diagonals[row])
         row += 1
         for b in c.bs:
-            gram_b = _gram(b, powers.row(row), diagonals[row])
+            gram_b = _gram(b, powers.reciprocal[row], diagonals[row])
             torch.sum(gram_b.mul_(gram_a), dim=2, out=summed[member])  # the input's Gram matrix left as it is
             del gram_b
             row, member = row + 1, member + 1
@@ -455,10 +455,10 @@ def _chunk_terms(chunks: list[_Chunk]) -> list[list[_GhostTerms]]:
     return out
 
 
-def _gram(x: Tensor, powers: nb.PowersOfTwo, diagonal: Tensor) -> Tensor:
-    """``fl(s s^T)`` (``[r, T, T]``) of ``x`` scaled per record by ``powers`` (``nb.Scaled``), its diagonal copied
-    into ``diagonal``; the scaled copy is let go."""
-    scaled = nb.Scaled(x, powers).value
+def _gram(x: Tensor, reciprocal: Tensor, diagonal: Tensor) -> Tensor:
+    """``fl(s s^T)`` (``[r, T, T]``) of ``x`` scaled per record by the powers of two ``reciprocal`` (``nb.Scaled``'s
+    value), its diagonal copied into ``diagonal``; the scaled copy is let go."""
+    scaled = nb.scaled_by(x, reciprocal)
     gram = torch.bmm(scaled, scaled.transpose(1, 2))
     diagonal.copy_(gram.diagonal(dim1=1, dim2=2))
     return gram

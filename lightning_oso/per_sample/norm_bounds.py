@@ -161,10 +161,6 @@ class PowersOfTwo:
     factor: Tensor
     finite: Tensor
 
-    def row(self, i: int) -> PowersOfTwo:
-        """The powers of row ``i`` of stacked powers (:func:`stacked_powers_of_two`)."""
-        return PowersOfTwo(self.reciprocal[i], self.factor[i], self.finite[i])
-
 
 def largest_entries(x: Tensor) -> Tensor:
     """Each sample's largest absolute entry (``[n]``, ``x``'s dtype; NaN propagated; 0 for an empty sample)."""
@@ -229,11 +225,16 @@ class Scaled:
     MAX_ENTRY = 4.0
 
     def __init__(self, x: Tensor, powers: PowersOfTwo | None = None) -> None:
-        n = x.shape[0]
         powers = powers if powers is not None else powers_of_two(largest_entries(x))
-        self.value = x * powers.reciprocal.reshape((n,) + (1,) * (x.dim() - 1))  # exact: powers of two
+        self.value = scaled_by(x, powers.reciprocal)
         self.factor = powers.factor
         self.finite = powers.finite
+
+
+def scaled_by(x: Tensor, reciprocal: Tensor) -> Tensor:
+    """``x`` (``[n, ...]``) times ``reciprocal`` (``[n]``, powers of two: exact but for underflow) per sample: a
+    :class:`Scaled`'s value."""
+    return x * reciprocal.reshape((x.shape[0],) + (1,) * (x.dim() - 1))
 
 
 def gram_row_norms_upper(gram: Tensor, d: int, alpha: float) -> Tensor:

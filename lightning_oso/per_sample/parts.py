@@ -146,6 +146,7 @@ def at_least_float32(x: Any) -> Any:
     return x
 
 
+@functools.cache
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the norms, sums and noise for per-sample gradients or parameters of ``dtype``: at least float32
     (docs/algorithms.md, "Sensitivity of the fast path"). A half-precision clipping weight or sum would round a
