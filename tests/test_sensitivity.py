@@ -792,16 +792,11 @@ def test_sq_norm_upper_in_chunks_bounds_every_record(monkeypatch, dtype, chunk, 
         assert bound[i].item() == pytest.approx(alone, rel=1e-5, abs=1e-300), i
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_both_routes_to_a_samples_largest_magnitude_scale_it_alike(monkeypatch, dtype):
-    """``Scaled`` finds each sample's largest magnitude from ``amax`` and ``amin`` on a CPU and in one
-    ``vector_norm`` reduction on an accelerator: on samples of zeros (of either sign), subnormals, the dtype's largest
-    values, NaN and infinities of either sign, both give the same scaled values, factors and finiteness, bit for
-    bit."""
-    from lightning_oso.per_sample import norm_bounds as nb
-
+def _extreme_samples(dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Nine samples ``[9, 3, 5]``: zeros of either sign, subnormals, the dtype's largest values of either sign, NaN,
+    infinities of either sign, and one ordinary sample last."""
     finfo = torch.finfo(dtype)
-    x = torch.randn(9, 3, 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = torch.randn(9, 3, 5, generator=generator).to(dtype)
     x[0] = 0.0
     x[1] = -0.0
     x[2] *= finfo.tiny * 2**-3  # subnormal
@@ -810,6 +805,18 @@ def test_both_routes_to_a_samples_largest_magnitude_scale_it_alike(monkeypatch, 
     x[5, 2, 4] = float("nan")
     x[6, 1, 0] = float("inf")
     x[7, 0, 0] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_both_routes_to_a_samples_largest_magnitude_scale_it_alike(monkeypatch, dtype):
+    """``Scaled`` finds each sample's largest magnitude from ``amax`` and ``amin`` on a CPU and in one
+    ``vector_norm`` reduction on an accelerator: on samples of zeros (of either sign), subnormals, the dtype's largest
+    values, NaN and infinities of either sign, both give the same scaled values, factors and finiteness, bit for
+    bit."""
+    from lightning_oso.per_sample import norm_bounds as nb
+
+    x = _extreme_samples(dtype, torch.Generator().manual_seed(3))
     routes = []
     for extremes in (True, False):
         monkeypatch.setattr(nb, "LARGEST_FROM_EXTREMES", extremes)
@@ -832,29 +839,19 @@ def test_stacked_powers_of_two_are_each_tensors_own(monkeypatch, dtype, extremes
     from lightning_oso.per_sample import norm_bounds as nb
 
     monkeypatch.setattr(nb, "LARGEST_FROM_EXTREMES", extremes)
-    finfo = torch.finfo(dtype)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 3, 5, generator=g).to(dtype)
-    x[0] = 0.0
-    x[1] = -0.0
-    x[2] *= finfo.tiny * 2**-3  # subnormal
-    x[3, 1, 1] = finfo.max
-    x[4, 0, 2] = -finfo.max
-    x[5, 2, 4] = float("nan")
-    x[6, 1, 0] = float("inf")
-    x[7, 0, 0] = -float("inf")
+    x = _extreme_samples(dtype, g)
     y = (torch.randn(9, 4, 2, generator=g) * 1e10).to(dtype)
     y[4] = -(2.0 ** torch.arange(8, dtype=dtype).reshape(4, 2))  # its largest magnitude a negative entry
     sets = [[x, y, x.flip(0)], [y, torch.zeros(9, 0, 3, dtype=dtype), x]]  # the second with no entries: zeros
     for tensors in sets:
         stacked = nb.stacked_powers_of_two(tensors)
         for i, t in enumerate(tensors):
-            row_powers = nb.PowersOfTwo(stacked.reciprocal[i], stacked.factor[i], stacked.finite[i])
-            alone, row = nb.Scaled(t), nb.Scaled(t, row_powers)
-            assert torch.equal(alone.finite, row.finite), i
-            assert torch.equal(alone.factor.view(torch.int64), row.factor.view(torch.int64)), i
+            alone, value = nb.Scaled(t), nb.scaled_by(t, stacked.reciprocal[i])
+            assert torch.equal(alone.finite, stacked.finite[i]), i
+            assert torch.equal(alone.factor.view(torch.int64), stacked.factor[i].view(torch.int64)), i
             bits = torch.int32 if dtype == torch.float32 else torch.int64
-            assert torch.equal(alone.value.nan_to_num().view(bits), row.value.nan_to_num().view(bits)), i
+            assert torch.equal(alone.value.nan_to_num().view(bits), value.nan_to_num().view(bits)), i
 
 
 def test_stacked_diagonal_bounds_are_each_matrixs_own():

@@ -218,14 +218,14 @@ class Scaled:
 
     ``value``: the scaled tensor (same dtype, float32 or float64; exact but for entries that underflow, each off by
     at most ``tiny``). ``factor``: ``2^e_i`` in float64, shape ``[n]``. ``finite``: whether sample ``i`` holds only
-    finite values (for the others the bound built on them must be discarded: ``with_nan``). ``powers``: the powers of
-    ``x`` computed already (a row of :func:`stacked_powers_of_two`); by default computed here.
+    finite values (for the others the bound built on them must be discarded: ``with_nan``). The powers of several
+    tensors at once: :func:`stacked_powers_of_two`, each scaled by :func:`scaled_by`.
     """
 
     MAX_ENTRY = 4.0
 
-    def __init__(self, x: Tensor, powers: PowersOfTwo | None = None) -> None:
-        powers = powers if powers is not None else powers_of_two(largest_entries(x))
+    def __init__(self, x: Tensor) -> None:
+        powers = powers_of_two(largest_entries(x))
         self.value = scaled_by(x, powers.reciprocal)
         self.factor = powers.factor
         self.finite = powers.finite

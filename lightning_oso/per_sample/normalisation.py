@@ -39,32 +39,26 @@ def _by_records(
 
 @register_fast_path(nn.LayerNorm)
 def layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
-    return _by_records(_layer_norm, layer, inputs, backprops)
-
-
-def _layer_norm(layer: nn.LayerNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
-    shape = tuple(layer.normalized_shape)
-    return _normalisation(
-        layer,
-        [_positions(F.layer_norm(x[0].to(g.dtype), shape, eps=layer.eps), g, shape) for x, g in zip(inputs, backprops)],
-        shape,
-        position_dim=1,
-    )
+    return _by_records(_over_last_dims(F.layer_norm), layer, inputs, backprops)
 
 
 @register_fast_path(nn.RMSNorm)
 def rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
-    return _by_records(_rms_norm, layer, inputs, backprops)
+    return _by_records(_over_last_dims(F.rms_norm), layer, inputs, backprops)
 
 
-def _rms_norm(layer: nn.RMSNorm, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
-    shape = tuple(layer.normalized_shape)
-    return _normalisation(
-        layer,
-        [_positions(F.rms_norm(x[0].to(g.dtype), shape, eps=layer.eps), g, shape) for x, g in zip(inputs, backprops)],
-        shape,
-        position_dim=1,
-    )
+def _over_last_dims(normalise: Callable[..., Tensor]) -> Callable[[Any, list[tuple], list[Tensor]], Normalised]:
+    """A layer that normalises its input's last dims (``layer.normalized_shape``) with ``normalise(x, shape,
+    eps=layer.eps)`` (``F.layer_norm``, ``F.rms_norm``), every other dim a position."""
+
+    def compute(layer: Any, inputs: list[tuple], backprops: list[Tensor]) -> Normalised:
+        shape = tuple(layer.normalized_shape)
+        parts = [
+            _positions(normalise(x[0].to(g.dtype), shape, eps=layer.eps), g, shape) for x, g in zip(inputs, backprops)
+        ]
+        return _normalisation(layer, parts, shape, position_dim=1)
+
+    return compute
 
 
 #: transformers' RMSNorm of the LLaMA family, whose forward is LLaMA's (``weight * (x * rsqrt(mean(x^2) + eps))``, the
