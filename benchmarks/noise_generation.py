@@ -5,8 +5,9 @@ Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and t
     python benchmarks/noise_generation.py [--numbers 670000] [--repeats 7] [--threads 1] [--device cpu] [--against REV]
 
 Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``)
-from each word source (the keyed numpy words of the CPU noise streams, a torch generator as on an accelerator, the
-secure one), and with the accelerators' vectorised passes in place of the CPU's compiled loop; counts the 62-bit
+from each word source (the keyed numpy words of the CPU noise streams, split into segments that ``--threads``
+threads draw at once as in the release, and the same stream read in order by one thread; a torch generator as on an
+accelerator; the secure one, split too), and with the accelerators' vectorised passes in place of the CPU's compiled loop; counts the 62-bit
 words each draw takes from its source, prints a table and writes JSON. Medians over the repeats, the samplers
 interleaved. ``normal_`` is not what the private step draws (its low-order bits and its 5.77-sigma cut-off leak;
 docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with. ``--against REV``
@@ -23,6 +24,7 @@ import math
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -72,11 +74,39 @@ def sampler_at(revision: str) -> types.ModuleType:
 
 
 def _counting(words: exact_noise.Words, tally: list[int]) -> exact_noise.Words:
+    """``words`` with every word it gives counted in ``tally[0]``; a splittable source stays splittable (its readers'
+    words counted too, from any thread)."""
+    lock = threading.Lock()
+
     def counted(count: int, device: torch.device) -> torch.Tensor:
-        tally[0] += count
+        with lock:
+            tally[0] += count
         return words(count, device)
 
-    return counted
+    split = getattr(words, "split", None)
+    if split is None:
+        return counted
+
+    class Reader:
+        def __init__(self, reader) -> None:
+            self.reader = reader
+
+        def seek(self, segment: int) -> None:
+            self.reader.seek(segment)
+
+        def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+            with lock:
+                tally[0] += count
+            return self.reader(count, device)
+
+    class Splittable:
+        __call__ = staticmethod(counted)
+
+        def split(self, segments: int):
+            open_reader = split(segments)
+            return lambda: Reader(open_reader())
+
+    return Splittable()
 
 
 def _vectorised(draw):
@@ -116,6 +146,7 @@ def main() -> None:
         name: [0]
         for name in (
             "exact, keyed numpy words",
+            "exact, keyed numpy words, one stream in order",
             "exact, vectorised passes, keyed numpy words",
             "exact, torch generator",
             "exact, secure",
@@ -125,6 +156,9 @@ def main() -> None:
     draws = {
         "exact, keyed numpy words": lambda: exact_noise.discrete_gaussian(
             (args.numbers,), scale, _counting(words_of(keyed), tallies["exact, keyed numpy words"])
+        ),
+        "exact, keyed numpy words, one stream in order": lambda: exact_noise.discrete_gaussian(
+            (args.numbers,), scale, _counting(keyed.words, tallies["exact, keyed numpy words, one stream in order"])
         ),
         "exact, vectorised passes, keyed numpy words": lambda: _vectorised(
             lambda: exact_noise.discrete_gaussian(

@@ -39,9 +39,13 @@ CSPRNG (``randomness.SecureRandom.words``). The sampler never sees data: it is c
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -66,6 +70,25 @@ BULK_SIGMAS = 16
 
 #: ``words(count, device) -> count`` int64 tensors of :data:`WORD_BITS` uniform bits each.
 Words = Callable[[int, torch.device], Tensor]
+
+
+class SegmentReader(Protocol):
+    """Reads the segments of a split source (:class:`Splittable`): ``seek(k)`` to the start of segment ``k``
+    (forward only: a segment's words are never read twice), then words of that segment (``Words``)."""
+
+    def seek(self, segment: int) -> None: ...
+
+    def __call__(self, count: int, device: torch.device) -> Tensor: ...
+
+
+class Splittable(Protocol):
+    """A source of words (``Words``) that can set aside its next ``segments`` segments, disjoint from one another
+    and from every word it gave before or gives after, for threads to read at once: ``split(segments)`` returns a
+    function that opens a :class:`SegmentReader` over them, one per thread."""
+
+    def __call__(self, count: int, device: torch.device) -> Tensor: ...
+
+    def split(self, segments: int) -> Callable[[], SegmentReader]: ...
 #: The sampler's blocks: ``((end_bits, width_bits), ...)``, blocks of ``2^width_bits`` integers up to ``2^end_bits``,
 #: then the next run.
 Layout = tuple[tuple[int, int], ...]
@@ -416,6 +439,9 @@ def discrete_gaussian(
 #: stay in a CPU core's cache between its dozen passes (benchmarks/noise_generation.py: 2^16 draws per chunk take 23%
 #: less time than 2^18 on one thread, while 2^14 pays the per-operation overhead), and small beside a model's sums.
 _CHUNK = 2**16
+#: Coordinates per run of a draw from a splittable source (:func:`_draw_compiled`), each from its own segment of the
+#: source, threads drawing runs at once: a setting, so the draws of a seed are the same on any number of threads.
+_SEGMENT = 2**17
 #: Draws per chunk on an accelerator, where a chunk costs a few dozen kernel launches and three host reads (the
 #: ``nonzero`` of the open trials and of the dropped and spare proposals) whatever its size: at ``2^16`` a model of
 #: 10^8 parameters would take 1,500 chunks per step. The temporaries of ``2^20`` draws are about 60 MB.
@@ -503,16 +529,47 @@ def _draw_compiled(
     count: int, table: ProposalTable, words: Words, layout: Layout, bucket_bits: int, out: Tensor, add: bool
 ) -> Tensor:
     """:func:`_draw` on a CPU: the proposals are made and decided one by one in a compiled loop
-    (:mod:`lightning_oso.exact_noise_kernel`), the first ``count`` kept ones written (or added) to ``out`` in order.
-    Each kept proposal is an independent draw of the law whichever were dropped, and the loop stops on the count of
-    kept ones alone, so the draws are independent and of the law. The words come in chunks of :data:`_CHUNK` (and
-    open trials' fresh words in chunks of :data:`_FRESH_SHARE` of that), drawn as the loop runs out of them; words
-    left over are never used again."""
+    (:mod:`lightning_oso.exact_noise_kernel`), the first kept ones written (or added) to ``out`` in order.
+
+    From a source that splits into segments (:class:`Splittable`, the run's keyed noise streams and the secure
+    source), the coordinates are cut into runs of :data:`_SEGMENT`, run ``k`` drawn from segment ``k`` of the
+    source: the runs are independent, so threads (as many as torch's intra-op threads) draw them at once, and which
+    thread draws a run changes no value. Any other source is read in order by one thread."""
     from lightning_oso import exact_noise_kernel as kernel  # numba compiles (or loads) the loop on first use
 
-    device = out.device
     target = out.numpy()  # shares memory: the kernel writes the tensor
     fields = kernel_fields(table, layout, bucket_bits)
+    split = getattr(words, "split", None)
+    if split is None or count == 0:
+        _fill_compiled(kernel, target, add, fields, words, out.device)
+        return out
+    runs = -(-count // _SEGMENT)  # a setting (the model's size): never data
+    open_reader = split(runs)
+    threads = max(1, min(torch.get_num_threads(), runs))
+
+    claims = itertools.count()  # the next run not yet taken (next() on it is atomic under the GIL)
+
+    def draw_runs() -> None:  # a thread's runs come in increasing order, so its reader only seeks forward
+        reader = open_reader()
+        while (k := next(claims)) < runs:
+            reader.seek(k)
+            _fill_compiled(kernel, target[k * _SEGMENT : (k + 1) * _SEGMENT], add, fields, reader, out.device)
+
+    if threads == 1:
+        draw_runs()
+    else:
+        for done in [_pool(threads).submit(draw_runs) for _ in range(threads)]:
+            done.result()  # re-raises a thread's error
+    return out
+
+
+def _fill_compiled(kernel, target, add: bool, fields: tuple, words: Words, device: torch.device) -> None:
+    """Fills (or adds to) the numpy array ``target`` with the compiled loop, from ``words`` read in order. Each kept
+    proposal is an independent draw of the law whichever were dropped, and the loop stops on the count of kept ones
+    alone, so the draws are independent and of the law. The words come in chunks of :data:`_CHUNK` (and open trials'
+    fresh words in chunks of :data:`_FRESH_SHARE` of that), drawn as the loop runs out of them; words left over are
+    never used again."""
+    count = target.shape[0]
     empty = torch.empty(0, dtype=torch.int64).numpy()
     word, used, fresh, fresh_used, filled = empty, 0, empty, 0, 0
     pending_value = torch.zeros(1, dtype=torch.int64).numpy()
@@ -522,7 +579,7 @@ def _draw_compiled(
             target, add, filled, count, word, used, fresh, fresh_used, *fields, pending_value, pending_threshold
         )
         if status == kernel.DONE:
-            return out
+            return
         if status == kernel.OUT_OF_WORDS:
             word, used = words(int(min(count - filled, _CHUNK) * _OVERDRAW) + 64, device).numpy(), 0
         elif status == kernel.OUT_OF_FRESH:
@@ -533,6 +590,17 @@ def _draw_compiled(
             if bernoulli(fraction, words).numpy()[0]:  # the noise's own bits, on the CPU
                 target[filled] = target[filled] + pending_value[0] if add else pending_value[0]
                 filled += 1
+
+
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The sampler's threads: at least ``threads`` of them, made once per process (a forked child makes its own)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
+        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="lightning_oso-noise"))
+    return _POOL[2]
 
 
 def kernel_fields(table: ProposalTable, layout: Layout, bucket_bits: int) -> tuple:

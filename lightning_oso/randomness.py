@@ -23,7 +23,8 @@ independent never share a stream, even when the user passes the same seed to eac
 also differ by their step counters, which continue across the runs.
 
 Each stream is keyed by the derived seed sequence: the noise streams on the CPU are numpy's ``PCG64DXSM`` (the exact
-sampler reads only uniform words, :class:`KeyedWords`); the others a torch generator, on the CPU a Mersenne Twister
+sampler reads only uniform words, :class:`KeyedWords`; a draw of many integers splits the stream into disjoint
+segments, :data:`SEGMENT_BITS` apart, that threads read at once); the others a torch generator, on the CPU a Mersenne Twister
 whose whole 19937-bit state comes from the sequence (torch's ``manual_seed`` would keep only 32 bits of a seed, and
 2^32 keys collide by the birthday bound after ~10^5 streams), on CUDA a Philox generator keyed by 64 bits of it.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import TypeAlias
 
 import numpy as np
@@ -68,12 +70,31 @@ class SecureRandom:
         bits = random_words(count, self) >> np.uint64(2)
         return torch.from_numpy(bits.astype(np.int64)).to(device)
 
+    __call__ = words
+
+    def split(self, segments: int) -> Callable[[], SecureRandom]:
+        """Segments for threads (``exact_noise.Splittable``): every read of the operating system's CSPRNG is fresh,
+        so each reader is this source itself (seeking is nothing)."""
+        return lambda: self
+
+    def seek(self, segment: int) -> None:
+        """Nothing to move: every read is fresh."""
+
+
+#: A split keyed stream's segment ``k`` starts ``k 2^SEGMENT_BITS`` words past where the stream stood
+#: (:meth:`KeyedWords.split`): segments never overlap while each reads fewer words than that (a run of the exact
+#: sampler reads about ``1.1 x 2^17``; a reader refuses more).
+SEGMENT_BITS = 40
+
 
 class KeyedWords:
     """Uniform 62-bit words from numpy's ``PCG64DXSM`` bit generator keyed by a derived seed sequence: the CPU noise
     streams (``NOISE``, ``DIRECTION``). The exact sampler reads nothing but words, and numpy makes them about three
     times faster than torch's Mersenne Twister (``benchmarks/noise_generation.py``). The key is the stream's whole
     seed sequence, as for the torch generators.
+
+    The stream is read in order (``words``, or the object called), or split (:meth:`split`) into segments that
+    threads read at once.
 
     Example:
         >>> import numpy as np
@@ -88,9 +109,53 @@ class KeyedWords:
 
     def words(self, count: int, device: torch.device | str = "cpu") -> Tensor:
         """``count`` int64 words of 62 uniform bits each (the top 62 of each 64-bit output)."""
-        raw = self._bits.random_raw(count)
-        raw >>= np.uint64(2)  # in place: no second model-sized array
-        return torch.from_numpy(raw.view(np.int64)).to(device)
+        return _top_62_bits(self._bits, count, device)
+
+    __call__ = words
+
+    def split(self, segments: int) -> Callable[[], KeyedSegmentReader]:
+        """Sets aside the stream's next ``segments << SEGMENT_BITS`` words as ``segments`` segments and moves the
+        stream past them, so no later read meets them; returns a function that opens a reader over them (one per
+        thread: each holds its own generator)."""
+        if segments < 1:
+            raise ValueError(f"segments must be at least 1, got {segments}")
+        start = self._bits.state
+        self._bits.advance(segments << SEGMENT_BITS)
+        return functools.partial(KeyedSegmentReader, start, segments)
+
+
+class KeyedSegmentReader:
+    """Reads the segments a :class:`KeyedWords` set aside (:meth:`KeyedWords.split`): ``seek(k)`` moves forward to
+    the start of segment ``k``, and each call reads on from there, never past the segment's end."""
+
+    def __init__(self, start: dict, segments: int) -> None:
+        self._bits = np.random.PCG64DXSM(0)  # its state is replaced: the split stream's, at the first segment
+        self._bits.state = start
+        self._segments = segments
+        self._segment, self._used = 0, 0
+
+    def seek(self, segment: int) -> None:
+        """Moves to the start of segment ``segment``, at or after the current one (a segment is never read twice)."""
+        if not self._segment <= segment < self._segments:
+            raise ValueError(
+                f"segment {segment} is behind the reader (at {self._segment}) or beyond the {self._segments} set "
+                "aside: its words may have been read"
+            )
+        self._bits.advance(((segment - self._segment) << SEGMENT_BITS) - self._used)
+        self._segment, self._used = segment, 0
+
+    def __call__(self, count: int, device: torch.device | str = "cpu") -> Tensor:
+        """The segment's next ``count`` words (as :meth:`KeyedWords.words`)."""
+        if self._used + count > 1 << SEGMENT_BITS:
+            raise RuntimeError(f"a segment of a split stream holds 2^{SEGMENT_BITS} words: no more are left in it")
+        self._used += count
+        return _top_62_bits(self._bits, count, device)
+
+
+def _top_62_bits(bits: np.random.PCG64DXSM, count: int, device: torch.device | str) -> Tensor:
+    raw = bits.random_raw(count)
+    raw >>= np.uint64(2)  # in place: no second model-sized array
+    return torch.from_numpy(raw.view(np.int64)).to(device)
 
 
 #: Where a draw comes from: a keyed torch generator, keyed numpy words (the CPU noise), or the operating system's
@@ -222,7 +287,7 @@ def _mt19937_state(words: np.ndarray) -> torch.Tensor:
 def words_of(generator: Generator | None) -> Words:
     """The exact sampler's source of uniform 62-bit words (``exact_noise.Words``) from ``generator``."""
     if isinstance(generator, SecureRandom | KeyedWords):
-        return generator.words
+        return generator  # called for words; split for the sampler's threads
     return torch_words(generator)
 
 

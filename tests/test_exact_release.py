@@ -407,6 +407,69 @@ def test_discrete_gaussian_has_the_exact_law_tails_included(scale, layout, bin_w
     assert abs((z.abs() > 3 * scale).double().mean().item() - tail) < 5 * math.sqrt(tail / n)
 
 
+class _StreamFrom:
+    """The words of a keyed stream read in order from ``position`` on (a plain source: no ``split``)."""
+
+    def __init__(self, key: np.random.SeedSequence, position: int) -> None:
+        self.bits = np.random.PCG64DXSM(key)
+        self.bits.advance(position)
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        return torch.from_numpy((self.bits.random_raw(count) >> np.uint64(2)).view(np.int64)).to(device)
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_a_split_draw_is_each_runs_own_segment_on_any_number_of_threads(add, monkeypatch):
+    """From a splittable source (the run's keyed noise stream), the CPU sampler draws runs of ``_SEGMENT``
+    coordinates at once on torch's threads: run ``k`` is exactly what the loop draws from segment ``k`` of the
+    stream read in order, whichever thread draws it and however many there are, so a seed's noise is the same on
+    any machine, and the runs never share a word. Returned as int64, or added to a float64 grid index."""
+    from lightning_oso.randomness import SEGMENT_BITS
+
+    monkeypatch.setattr(exact_noise, "_SEGMENT", 3000)
+    scale, key, count = torch.tensor(1.37 * 2**30, dtype=torch.float64), np.random.SeedSequence(21), 10_000
+
+    def draw(words) -> torch.Tensor:
+        if not add:
+            return exact_noise.discrete_gaussian((count,), scale, words)
+        base = torch.arange(count, dtype=torch.float64) * 2.0**30
+        return exact_noise.discrete_gaussian((count,), scale, words, add_to=base) - torch.arange(count) * 2.0**30
+
+    expected = torch.cat(
+        [
+            exact_noise.discrete_gaussian((min(3000, count - start),), scale, _StreamFrom(key, k << SEGMENT_BITS))
+            for k, start in enumerate(range(0, count, 3000))
+        ]
+    )
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            drawn = draw(KeyedWords(key))
+            assert torch.equal(drawn.to(torch.int64), expected), n
+    finally:
+        torch.set_num_threads(threads)
+    assert len(set(expected[:3000].tolist()) & set(expected[3000:6000].tolist())) < 10  # runs are not copies
+
+
+@pytest.mark.parametrize(("scale", "layout", "bin_width"), [(37.3, ((9, 2), (12, 6)), 4)])
+def test_a_split_draw_on_threads_has_the_exact_law(scale, layout, bin_width, monkeypatch):
+    """The threads' runs together follow the law, tails included (chi-square, as for one stream read in order):
+    2 million draws in runs of 2^14 on two threads, from a keyed stream split into segments."""
+    monkeypatch.setattr(exact_noise, "_SEGMENT", 2**14)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        z = exact_noise.discrete_gaussian(
+            (2_000_000,), torch.tensor(scale, dtype=torch.float64), KeyedWords(np.random.SeedSequence(6)), layout=layout
+        )
+    finally:
+        torch.set_num_threads(threads)
+    chi2, dof = _chi_square_against_the_law(z, scale, bin_width, reach=int(6 * scale))
+    assert chi2 < dof + 6 * math.sqrt(2 * dof)
+    assert z.double().mean().abs().item() < 5 * scale / math.sqrt(2_000_000)
+
+
 def _blocks_of(table: exact_noise.ProposalTable):
     """The table's blocks: first integer, width, how many buckets name it, and one of those buckets."""
     named = table.factor[table.block] > 0

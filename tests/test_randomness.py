@@ -28,7 +28,8 @@ def test_keyed_words_reproduce_and_secure_words_are_the_secure_generators():
     b = words_of(torch.Generator().manual_seed(5))(8, torch.device("cpu"))
     assert torch.equal(a, b)
     secure = SecureRandom()
-    assert words_of(secure) == secure.words
+    assert words_of(secure) is secure  # called for words, split for the sampler's threads
+    assert secure(8).dtype == torch.int64 and not torch.equal(secure(8), secure(8))
 
 
 def test_cpu_noise_streams_are_keyed_numpy_words_uniform_and_independent_per_step():
@@ -206,3 +207,54 @@ def test_search_runs_get_their_own_streams(stopping):
         torch.testing.assert_close(a, b)
     with pytest.raises(TypeError, match="multiple values for keyword argument 'seed'"):
         FixedThresholdDP(clip=1.0, seed=0, **{"target_epsilon": 1.0, "seed": 1})
+
+
+def _reference_words(key: np.random.SeedSequence, position: int, count: int) -> torch.Tensor:
+    """``count`` words of the keyed stream read from ``position`` on, by a generator of its own."""
+    bits = np.random.PCG64DXSM(key)
+    bits.advance(position)
+    return torch.from_numpy((bits.random_raw(count) >> np.uint64(2)).view(np.int64))
+
+
+def test_a_split_keyed_stream_gives_disjoint_segments_and_moves_past_them():
+    """``KeyedWords.split(n)`` sets aside the stream's next ``n`` segments of ``2^SEGMENT_BITS`` words: segment
+    ``k``'s words are the stream's from ``k 2^SEGMENT_BITS`` on, each reader (one per thread) reads them with a
+    generator of its own, and a later read of the stream starts past all of them: no word is read twice."""
+    from lightning_oso.randomness import SEGMENT_BITS, KeyedWords
+
+    key = np.random.SeedSequence(8, spawn_key=(0, 0, 0, 3))
+    stream = KeyedWords(key)
+    first = stream(5)
+    assert torch.equal(first, _reference_words(key, 0, 5))
+    open_reader = stream.split(3)
+    after = stream(4)  # the stream goes on past the three segments
+    assert torch.equal(after, _reference_words(key, 5 + (3 << SEGMENT_BITS), 4))
+    reader, other = open_reader(), open_reader()
+    reader.seek(0)
+    assert torch.equal(reader(6), _reference_words(key, 5, 6))  # segment 0 starts where the stream stood
+    assert torch.equal(reader(2), _reference_words(key, 11, 2))  # and is read on in order
+    reader.seek(2)
+    assert torch.equal(reader(3), _reference_words(key, 5 + (2 << SEGMENT_BITS), 3))
+    other.seek(1)  # another thread's reader: its own generator, the same segments
+    assert torch.equal(other(3), _reference_words(key, 5 + (1 << SEGMENT_BITS), 3))
+    assert torch.equal(stream(2), _reference_words(key, 9 + (3 << SEGMENT_BITS), 2))  # readers never move the stream
+
+
+def test_a_segment_reader_never_goes_back_nor_past_its_segments_end(monkeypatch):
+    """A reader seeks forward only, to a segment that was set aside, and reads no more than a segment holds: any of
+    these would read some words twice (the stream's later words or another segment's)."""
+    import lightning_oso.randomness as randomness
+
+    monkeypatch.setattr(randomness, "SEGMENT_BITS", 4)  # segments of 16 words
+    reader = randomness.KeyedWords(np.random.SeedSequence(2)).split(2)()
+    reader.seek(1)
+    with pytest.raises(ValueError, match="behind the reader"):
+        reader.seek(0)
+    with pytest.raises(ValueError, match="beyond the 2 set aside"):
+        reader.seek(2)
+    reader(10)
+    with pytest.raises(RuntimeError, match="holds 2\\^4 words"):
+        reader(7)
+    reader(6)  # the segment's last words are still its own
+    with pytest.raises(ValueError, match="at least 1"):
+        randomness.KeyedWords(np.random.SeedSequence(2)).split(0)

@@ -610,6 +610,33 @@ MUTANTS = (
         "bounded by another layer's",
     ),
     Mutant(
+        "split_stream_not_moved_past_its_segments",
+        "lightning_oso/randomness.py",
+        "self._bits.advance(segments << SEGMENT_BITS)",
+        "pass",
+        ("tests/test_randomness.py::test_a_split_keyed_stream_gives_disjoint_segments_and_moves_past_them",),
+        "a keyed stream split for the sampler's threads is not moved past its segments: its next read (another draw "
+        "of the step) replays the first segment's words, the same noise twice",
+    ),
+    Mutant(
+        "split_segments_overlap",
+        "lightning_oso/randomness.py",
+        "self._bits.advance(((segment - self._segment) << SEGMENT_BITS) - self._used)",
+        "self._bits.advance(segment - self._segment)",
+        ("tests/test_randomness.py::test_a_split_keyed_stream_gives_disjoint_segments_and_moves_past_them",),
+        "a split stream's segments start one word apart: the runs of one draw share almost all their words, so "
+        "their noise is nearly the same integers, shifted",
+    ),
+    Mutant(
+        "sampler_threads_draw_every_run",
+        "lightning_oso/exact_noise.py",
+        "while (k := next(claims)) < runs:",
+        "for k in range(runs):",
+        ("tests/test_exact_release.py::test_a_split_draw_is_each_runs_own_segment_on_any_number_of_threads",),
+        "each of the sampler's threads takes every run (a counter of its own): on two threads each run's noise is "
+        "drawn twice from the same words, added twice to the grid index",
+    ),
+    Mutant(
         "direction_projection_reads_one_chunk_again",
         "lightning_oso/step.py",
         "torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))",
