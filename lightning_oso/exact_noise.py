@@ -11,8 +11,9 @@ float addition is exact (Sterbenz) and the output falls on the lattice of that s
 reveal the record; and torch's float32 normal draws never exceed 5.77 sigma, so a shift beyond that is detected with
 certainty.
 
-The sampler (on a CPU one compiled loop over the words, :mod:`lightning_oso.exact_noise_kernel`; on an accelerator
-the same decisions as vectorised passes over a chunk of coordinates, :func:`_proposals`):
+The sampler (on a CPU one compiled loop over the words, :mod:`lightning_oso.exact_noise_kernel`, on torch's threads
+for a source that splits into independent segments, :class:`Splittable`; on an accelerator the same decisions as
+vectorised passes over a chunk of coordinates, :func:`_proposals`):
 
 - :func:`bernoulli`: ``P(True) = p`` *exactly* for a float64 ``p``, from uniform bits (for ``p >= 2^-9``,
   ``p 2^62`` is an integer and one 62-bit word is below it with probability ``p``; a smaller ``p`` takes leading
@@ -555,11 +556,10 @@ def _draw_compiled(
             reader.seek(k)
             _fill_compiled(kernel, target[k * _SEGMENT : (k + 1) * _SEGMENT], add, fields, reader, out.device)
 
-    if threads == 1:
-        draw_runs()
-    else:
-        for done in [_pool(threads).submit(draw_runs) for _ in range(threads)]:
-            done.result()  # re-raises a thread's error
+    helpers = [_pool(threads - 1).submit(draw_runs) for _ in range(threads - 1)] if threads > 1 else []
+    draw_runs()  # the calling thread draws runs too
+    for done in helpers:
+        done.result()  # re-raises a helper's error
     return out
 
 
@@ -596,7 +596,8 @@ _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """The sampler's threads: at least ``threads`` of them, made once per process (a forked child makes its own)."""
+    """The sampler's helper threads: at least ``threads`` of them, made once per process (a forked child makes its
+    own)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
         _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="lightning_oso-noise"))
