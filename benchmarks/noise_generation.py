@@ -7,12 +7,13 @@ Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and t
 Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``)
 from each word source (the keyed numpy words of the CPU noise streams, split into segments that ``--threads``
 threads draw at once as in the release, and the same stream read in order by one thread; a torch generator as on an
-accelerator; the secure one, split too), and with the accelerators' vectorised passes in place of the CPU's compiled loop; counts the 62-bit
-words each draw takes from its source, prints a table and writes JSON. Medians over the repeats, the samplers
-interleaved. ``normal_`` is not what the private step draws (its low-order bits and its 5.77-sigma cut-off leak;
-docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared with. ``--against REV``
-adds the sampler as it was at the git revision ``REV`` (its ``exact_noise.py`` loaded beside the current one, keyed
-numpy words), interleaved with the others: a change to the sampler is measured side by side with what it replaces.
+accelerator; the secure one, split too), and with the accelerators' vectorised passes in place of the CPU's compiled
+loop; counts the 62-bit words each draw takes from its source, prints a table and writes JSON. Medians over the
+repeats, the samplers interleaved. ``normal_`` is not what the private step draws (its low-order bits and its
+5.77-sigma cut-off leak; docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared
+with. ``--against REV`` adds the sampler as it was at the git revision ``REV`` (its ``exact_noise.py`` loaded beside
+the current one, keyed numpy words), interleaved with the others: a change to the sampler is measured side by side
+with what it replaces.
 """
 
 from __future__ import annotations

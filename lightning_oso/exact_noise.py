@@ -90,6 +90,8 @@ class Splittable(Protocol):
     def __call__(self, count: int, device: torch.device) -> Tensor: ...
 
     def split(self, segments: int) -> Callable[[], SegmentReader]: ...
+
+
 #: The sampler's blocks: ``((end_bits, width_bits), ...)``, blocks of ``2^width_bits`` integers up to ``2^end_bits``,
 #: then the next run.
 Layout = tuple[tuple[int, int], ...]

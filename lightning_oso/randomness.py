@@ -24,9 +24,10 @@ also differ by their step counters, which continue across the runs.
 
 Each stream is keyed by the derived seed sequence: the noise streams on the CPU are numpy's ``PCG64DXSM`` (the exact
 sampler reads only uniform words, :class:`KeyedWords`; a draw of many integers splits the stream into disjoint
-segments, :data:`SEGMENT_BITS` apart, that threads read at once); the others a torch generator, on the CPU a Mersenne Twister
-whose whole 19937-bit state comes from the sequence (torch's ``manual_seed`` would keep only 32 bits of a seed, and
-2^32 keys collide by the birthday bound after ~10^5 streams), on CUDA a Philox generator keyed by 64 bits of it.
+segments, :data:`SEGMENT_BITS` apart, that threads read at once); the others a torch generator, on the CPU a Mersenne
+Twister whose whole 19937-bit state comes from the sequence (torch's ``manual_seed`` would keep only 32 bits of a
+seed, and 2^32 keys collide by the birthday bound after ~10^5 streams), on CUDA a Philox generator keyed by 64 bits
+of it.
 
 ``secure_rng=True`` replaces all of this by the operating system's CSPRNG (:class:`SecureRandom`): nothing to seed,
 resume or predict; the exact noise costs about twice as much on the CPU (``benchmarks/noise_generation.py``).
@@ -37,7 +38,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -128,7 +129,7 @@ class KeyedSegmentReader:
     """Reads the segments a :class:`KeyedWords` set aside (:meth:`KeyedWords.split`): ``seek(k)`` moves forward to
     the start of segment ``k``, and each call reads on from there, never past the segment's end."""
 
-    def __init__(self, start: dict, segments: int) -> None:
+    def __init__(self, start: Any, segments: int) -> None:  # the bit generator's state (a dict)
         self._bits = np.random.PCG64DXSM(0)  # its state is replaced: the split stream's, at the first segment
         self._bits.state = start
         self._segments = segments
