@@ -548,8 +548,7 @@ def _draw_compiled(
         return out
     runs = -(-count // _SEGMENT)  # a setting (the model's size): never data
     open_reader = split(runs)
-    threads = max(1, min(torch.get_num_threads(), runs))
-
+    threads = min(torch.get_num_threads(), runs)  # both at least 1
     claims = itertools.count()  # the next run not yet taken (next() on it is atomic under the GIL)
 
     def draw_runs() -> None:  # a thread's runs come in increasing order, so its reader only seeks forward
@@ -602,6 +601,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     own)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[2].shutdown(wait=False)  # too small: its idle threads end, the larger pool replaces it
         _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="lightning_oso-noise"))
     return _POOL[2]
 
