@@ -33,7 +33,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_oso.step import DeferredQuery, SanitisedStep, flat_dot
-from lightning_oso.validation import check_number, check_open_interval, check_positive
+from lightning_oso.validation import CLIP_RANGE, check_clip, check_number, check_open_interval, check_positive
 
 # The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
 #: OSO, the OSO paper's defaults: ``C_0``, ``rho_c`` (step of ``C_t``) and ``rho_r`` (step of the learning rate).
@@ -101,6 +101,14 @@ def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:
     return torch.where(torch.isfinite(norms), count, 0.0).unsqueeze(1)
 
 
+def _kept_in_range(clip: Tensor) -> Tensor:
+    """An adaptive rule's next ``C_t``, kept within ``validation.CLIP_RANGE``: its multiplicative steps would take it to
+    0 or to infinity after a few thousand steps in one direction, and an infinite threshold clips nothing while its
+    noise ``C_t nu`` is no longer a number. Inside the range the rule is the paper's. The threshold is already
+    public (a function of released values): clamping it is post-processing."""
+    return clip.clamp(*CLIP_RANGE)
+
+
 # ----------------------------------------------------------------------------------------------------- the rules
 class ClippingRule:
     """Shared plumbing of the rules: the threshold ``C_t`` as a float64 tensor on the training device, no scalar
@@ -122,7 +130,7 @@ class ClippingRule:
     def __init__(self, noise_multiplier: float, clip: float) -> None:
         self.noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
         self.gradient_noise_multiplier = self.noise_multiplier
-        self.clip = torch.tensor(check_positive("clip", clip), dtype=torch.float64)
+        self.clip = torch.tensor(check_clip("clip", clip), dtype=torch.float64)
 
     def to(self, device: torch.device) -> ClippingRule:
         self.clip = self.clip.to(device)
@@ -178,7 +186,9 @@ class ClippingRule:
         """Continue from a checkpoint's ``C_t`` (and the rule's other state). The mechanism (noise multipliers) is
         this run's: a resume may change it (another target, a recalibration), and the accountant composes each
         step with the mechanism it ran with."""
-        self.clip = state["clip"].to(device=self.clip.device, dtype=torch.float64)
+        clip = state["clip"].to(device=self.clip.device, dtype=torch.float64)
+        check_clip("the checkpoint's clip", float(clip))  # our updates keep C_t in range: another value was edited in
+        self.clip = clip
 
 
 class FixedThresholdClipping(ClippingRule):
@@ -249,7 +259,7 @@ class FixedQuantileClipping(ClippingRule):
         if released.scalars is None:
             raise ValueError("the quantile rule learns from its sanitised count: the step released no scalars")
         unclipped_fraction = released.scalars[self.COUNT].to(torch.float64) + 0.5  # b~_t (the 1/2 un-centres the count)
-        self.clip = self.clip * torch.exp(-self.clip_lr * (unclipped_fraction - self.target_quantile))
+        self.clip = _kept_in_range(self.clip * torch.exp(-self.clip_lr * (unclipped_fraction - self.target_quantile)))
         self.unclipped_fraction = unclipped_fraction
         return None
 
@@ -415,7 +425,7 @@ class OSOClipping(ClippingRule):
             self.direction_product = self._read_direction(gradient)
             clip_sign = torch.sign(self.direction_product).to(self.clip.dtype)
             lr_sign = torch.sign(flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
-            self.clip = self.clip * torch.exp(self.clip_lr * clip_sign)
+            self.clip = _kept_in_range(self.clip * torch.exp(self.clip_lr * clip_sign))  # Eq. 20
             lr_factor = torch.exp(self.lr_lr * lr_sign)
         # the release's own tensors, which nothing edits: the strategy writes copies of them into p.grad (made by the
         # release, they carry no autograd history: detached only if one does)

@@ -60,6 +60,9 @@ GRID_BITS = 30
 #: The released integers are clamped to this magnitude before noise: a coordinatewise clamp is a contraction, so it
 #: never increases the sensitivity, and every integer stays exact in float64 after the noise is added.
 MAX_GRID_INDEX = 2**52
+#: The least noise std the release draws at (:func:`grid_noise_std` raises a smaller one to it, which only adds noise):
+#: its grid step ``2^-1031`` and every power of two the release scales by stay exact float64 numbers.
+MIN_NOISE_STD = 2.0**-1000
 #: Bound on ``|log(Q(k) / P(k))|``, for the sampler's law ``Q`` and the rounded continuous Gaussian ``P`` (the
 #: mechanism the accountant prices, see docs/algorithms.md), at every integer within :data:`BULK_SIGMAS` standard
 #: deviations: the float64 evaluation of the acceptance, within ``4 u X + 7 u`` relative for ``X = k^2 / (2 s^2)
@@ -688,13 +691,17 @@ def grid_exponent(std: Tensor) -> Tensor:
 def grid_index(values: Tensor, exponent: Tensor) -> Tensor:
     """``round(values / 2^exponent)``, clamped to ``+-MAX_GRID_INDEX``, as float64 holding exact integers. The
     scaling by a power of two is exact in float64, the rounding (half to even) a fixed function: so the index moves by
-    at most ``|difference| / gamma + 1`` per coordinate between any two inputs, whatever their low-order bits."""
+    at most ``|difference| / gamma + 1`` per coordinate between any two inputs, whatever their low-order bits.
+
+    The values are divided by ``gamma = 2^exponent``, never multiplied by ``2^-exponent``: ``gamma`` is exact down to
+    ``2^-1074`` (a subnormal), where ``2^-exponent`` overflows to infinity from ``exponent = -1024`` on (a noise std
+    below about ``2^-993``), which made a zero coordinate's index NaN and every other one ``+-MAX_GRID_INDEX``."""
     return _to_grid_index_(values.to(torch.float64, copy=True), exponent)
 
 
 def _to_grid_index_(values: Tensor, exponent: Tensor) -> Tensor:
     """:func:`grid_index` in place on float64 ``values``."""
-    return values.mul_(power_of_two(-exponent, values.device)).round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
+    return values.div_(power_of_two(exponent, values.device)).round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
 
 
 def on_grid(values: Tensor, exponent: Tensor) -> Tensor:
@@ -720,7 +727,8 @@ def grid_noise_std(std: Tensor, multiplier: float, coordinates: int) -> Tensor:
             f"noise multiplier {multiplier:.4g} over {coordinates} coordinates is too large for the exact "
             "release's grid (the rounding would double the noise): lower the noise multiplier"
         )
-    return std.to(torch.float64) / (1.0 - inflation)
+    # at least MIN_NOISE_STD (more noise than priced is still private), so that the grid's powers of two are exact
+    return std.to(torch.float64).clamp_min(MIN_NOISE_STD) / (1.0 - inflation)
 
 
 def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
@@ -735,7 +743,8 @@ def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
     the sums: no model-sized temporary beyond the noise's)."""
     exponent = grid_exponent(std)
     index = _to_grid_index_(values, exponent)
-    scale = std.to(device=index.device, dtype=torch.float64) * power_of_two(-exponent, index.device)
+    # std / gamma in [2^30, 2^31), exact: gamma is a float64 number wherever 2^-exponent is (and below, to 2^-1074)
+    scale = std.to(device=index.device, dtype=torch.float64) / power_of_two(exponent, index.device)
     with record_function("lightning_oso.noise"):
         if scale.numel() == 1 and index.is_contiguous():  # one grid: the integers added as they are drawn
             discrete_gaussian(index.shape, scale.reshape(()), words, add_to=index)

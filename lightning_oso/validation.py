@@ -164,6 +164,25 @@ def check_positive(name: str, value: Any) -> float:
     return check_number(name, value, positive=True)
 
 
+#: The range a clipping threshold ``C_t`` is kept in, given or learned (``2^-100`` to ``2^100``, about ``8e-31`` to
+#: ``1.3e30``: any per-sample norm worth clipping lies inside it). An adaptive rule that ran on for thousands of steps
+#: in one direction would otherwise reach 0 or infinity, where the noise's std ``C_t nu`` no longer prices the sums
+#: (an infinite threshold clips nothing).
+CLIP_RANGE = (2.0**-100, 2.0**100)
+
+
+def check_clip(name: str, value: Any) -> float:
+    """A clipping threshold within :data:`CLIP_RANGE`, as float."""
+    clip = check_positive(name, value)
+    low, high = CLIP_RANGE
+    if not low <= clip <= high:
+        raise PrivacyConfigurationError(
+            f"{name} must lie in [2^-100, 2^100] (about 8e-31 to 1.3e30), the range a clipping threshold is kept "
+            f"in; got {value!r}: rescale the loss if its per-sample gradient norms are outside it"
+        )
+    return clip
+
+
 def check_open_interval(name: str, value: Any, low: float, high: float, hint: str = "") -> float:
     """A real number strictly between ``low`` and ``high``, as float (``hint`` says what the argument means)."""
     if not _is_real(value) or not low < value < high:

@@ -48,6 +48,39 @@ def test_bad_arguments_name_the_argument(kwargs, name):
         OSODP(target_epsilon=1.0, **kwargs)
 
 
+@pytest.mark.parametrize("clip", [1e-31, 2.0**101, 1e308])
+def test_a_clip_outside_the_kept_range_is_refused_by_every_method_and_rule(clip):
+    """A threshold outside ``[2^-100, 2^100]`` (the range an adaptive ``C_t`` is kept in) is refused, given to a
+    callback or a rule, with the argument's name and the fix; at ``1e308`` the noise std ``C nu`` would overflow."""
+    from lightning_oso import FixedQuantileDP, FixedThresholdDP
+    from lightning_oso.clipping import FixedThresholdClipping
+
+    for make, name in (
+        (lambda: OSODP(target_epsilon=1.0, initial_clip=clip), "initial_clip"),
+        (lambda: FixedQuantileDP(target_epsilon=1.0, initial_clip=clip), "initial_clip"),
+        (lambda: FixedThresholdDP(target_epsilon=1.0, clip=clip), "clip"),
+        (lambda: FixedThresholdClipping(noise_multiplier=1.0, clip=clip), "clip"),
+    ):
+        refusal = rf"{name} must lie in \[2\^-100, 2\^100\].*rescale the loss"
+        with pytest.raises(PrivacyConfigurationError, match=refusal):
+            make()
+
+
+def test_a_checkpoint_whose_clip_was_edited_out_of_range_is_refused():
+    """``C_t`` comes back from a checkpoint only within the range the rules keep it in: an edited one (infinite: no
+    clipping at all) is refused on load, before any step."""
+    from lightning_oso.clipping import OSOClipping
+
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=0.5)
+    state = rule.state_dict()
+    state["clip"] = torch.tensor(math.inf, dtype=torch.float64)
+    with pytest.raises(PrivacyConfigurationError, match="the checkpoint's clip must be a positive finite number"):
+        OSOClipping(noise_multiplier=1.0, initial_clip=0.5).load_state_dict(state)
+    state["clip"] = torch.tensor(2.0**120, dtype=torch.float64)
+    with pytest.raises(PrivacyConfigurationError, match="the checkpoint's clip must lie in"):
+        OSOClipping(noise_multiplier=1.0, initial_clip=0.5).load_state_dict(state)
+
+
 def test_accountant_is_a_name_or_an_accountant_at_the_same_delta():
     with pytest.raises(
         PrivacyConfigurationError, match="accountant must be one of 'prv', 'rdp' or a PrivacyAccountant"

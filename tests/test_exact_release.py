@@ -159,6 +159,38 @@ def test_neighbouring_releases_differ_by_their_grid_indices_only():
         assert (indices[1] - indices[0]).norm().item() * gamma <= 0.7 + gamma * math.sqrt(d)
 
 
+@pytest.mark.parametrize("std", [1e-320, 2.0**-1000, 1e-300, 1e-290, 1.0, 1e300])
+def test_the_release_is_the_grid_mechanism_at_every_noise_std(std):
+    """From a vanishing noise std (raised to ``MIN_NOISE_STD`` by ``grid_noise_std``, which only adds noise) to
+    float64's largest, with the same noise, a sum with a record and the sum without it are released on their grid,
+    finite, and differ by exactly the difference of their grid indices, within the record's norm plus the rounding;
+    the noise has the spread priced. A std below about ``2^-993`` once made the grid's ``1 / gamma`` infinite: a zero
+    coordinate came out NaN and every other one ``+-2^52 gamma``, its sign in the clear."""
+    d, nu = 2000, 2.0
+    clip = std / nu  # the record's norm: the sensitivity that std prices
+    generator = torch.Generator().manual_seed(5)
+    others = torch.randn(1, d, dtype=torch.float64, generator=generator) * clip
+    others[0, :10] = 0.0  # coordinates no other record touches
+    record = torch.zeros(1, d, dtype=torch.float64)
+    record[0, 0] = clip
+    grid_std = exact_noise.grid_noise_std(torch.tensor(std, dtype=torch.float64), nu, d)
+    assert grid_std.item() >= max(std, exact_noise.MIN_NOISE_STD)
+    exponent = exact_noise.grid_exponent(grid_std)
+    gamma = float(exact_noise.power_of_two(exponent, "cpu"))
+    key = np.random.SeedSequence(8)
+    sums = (others, others + record)
+    released = [exact_noise.release_on_grid_(s.clone(), grid_std.reshape(1, 1), KeyedWords(key)) for s in sums]
+    for r in released:
+        steps = r / gamma
+        assert torch.isfinite(r).all() and torch.equal(steps, steps.round())
+    index = [exact_noise.grid_index(s, exponent) for s in sums]
+    assert torch.equal((released[1] - released[0]) / gamma, index[1] - index[0])
+    assert (index[1] - index[0]).norm().item() <= clip / gamma + math.sqrt(d)
+    noise = released[0] / gamma - index[0]
+    scale = grid_std.item() / gamma
+    assert 2**30 <= scale < 2**31 and 0.9 < noise.std().item() / scale < 1.1
+
+
 def test_powers_of_two_are_exact_over_float64s_whole_range():
     """The grid's factor ``2^e`` is exact for every exponent, as ``math.ldexp`` gives it: the normal range, the
     subnormals down to ``2^-1074``, 0 below and infinity above; from integer or float exponent tensors, any shape.

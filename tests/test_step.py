@@ -10,7 +10,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
 from lightning_oso import exact_noise, step
-from lightning_oso.clipping import FixedThresholdClipping, OSOClipping
+from lightning_oso.clipping import FixedQuantileClipping, FixedThresholdClipping, OSOClipping
 from lightning_oso.per_sample import TensorSource, per_sample_norms, weighted_sums
 
 
@@ -173,6 +173,33 @@ def test_oso_update_rule_signs():
     factor = rule.update(_released(t([-1.0, -1.0]), t([0.0, 0.0])))
     assert factor.item() == pytest.approx(math.exp(-0.2))
     assert rule.clip.item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("direction", [1.0, -1.0])
+def test_adaptive_thresholds_stay_in_range_however_long_they_move_one_way(direction):
+    """OSO's ``C_t`` and the quantile rule's, pushed the same way step after step (a few thousand steps of a long
+    run), stop at the ends of ``CLIP_RANGE`` instead of reaching 0 or infinity: there the noise std ``C_t nu`` would
+    be 0 or no number at all, and an infinite threshold clips nothing. Every step's noise stds stay finite and
+    positive, and the threshold moves back from the end at the next step the other way."""
+    from lightning_oso.validation import CLIP_RANGE
+
+    t = partial(torch.tensor, dtype=torch.float64)
+    oso = OSOClipping(noise_multiplier=1.0, initial_clip=1.0, clip_lr=0.5, lr_lr=0.2)
+    quantile = FixedQuantileClipping(1.0, target_quantile=0.5, count_noise_std=10.0, initial_clip=1.0, clip_lr=1.0)
+    # OSO: g~_t . q~_{t-1} > 0 moves C_t up; the quantile rule: an unclipped fraction of 0 moves it up
+    gradient, previous = t([direction, 0.0]), t([1.0, 0.0])
+    count = t([-0.5 if direction > 0 else 0.5])  # the centred count: every record clipped, or none
+    oso.update(_released(previous, previous))
+    for _ in range(400):  # 400 steps of 0.5 in log C_t: e^200, past 2^100 = e^69
+        oso.update(_released(gradient, previous))
+        quantile.update(step.SanitisedStep(sums=(gradient.unsqueeze(0),), scalars=count))
+        for rule in (oso, quantile):
+            stds = rule.noise_stds()
+            assert torch.isfinite(stds).all() and (stds > 0).all()
+    end = CLIP_RANGE[1] if direction > 0 else CLIP_RANGE[0]
+    assert oso.clip.item() == end and quantile.clip.item() == end
+    oso.update(_released(-gradient, previous))  # one step back
+    assert oso.clip.item() == pytest.approx(end * math.exp(-0.5 * direction))
 
 
 def test_flat_dot_over_the_releases_buffer_is_the_dot_product_and_looks_at_layout_only():

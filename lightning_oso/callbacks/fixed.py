@@ -13,7 +13,7 @@ from lightning_oso.callbacks.arguments import DEFAULT_TARGET_DELTA, DPArguments,
 from lightning_oso.callbacks.base import DPCallback
 from lightning_oso.clipping import ClippingRule, FixedThresholdClipping
 from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.validation import check_positive
+from lightning_oso.validation import check_clip
 
 
 @_document_shared_args()
@@ -56,7 +56,7 @@ class FixedThresholdDP(DPCallback):
         **kwargs: Unpack[DPArguments],
     ) -> None:
         super().__init__(target_epsilon, target_delta, **kwargs)
-        self._clip = check_positive("clip", clip)
+        self._clip = check_clip("clip", clip)
 
     @override
     @property

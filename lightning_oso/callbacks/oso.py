@@ -20,7 +20,7 @@ from lightning_oso.clipping import (
 )
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.planning import oso_learnability_warnings
-from lightning_oso.validation import check_number, check_open_interval, check_positive
+from lightning_oso.validation import check_clip, check_number, check_open_interval
 
 
 @_document_shared_args()
@@ -72,7 +72,7 @@ class OSODP(DPCallback):
         **kwargs: Unpack[DPArguments],
     ) -> None:
         super().__init__(target_epsilon, target_delta, **kwargs)
-        self._initial_clip = check_positive("initial_clip", initial_clip)
+        self._initial_clip = check_clip("initial_clip", initial_clip)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.lr_lr = check_number("lr_lr", lr_lr)
         self.direction_noise_ratio = check_open_interval(

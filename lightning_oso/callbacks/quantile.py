@@ -16,7 +16,7 @@ from lightning_oso.clipping import (
 )
 from lightning_oso.errors import PrivacyConfigurationError
 from lightning_oso.optim import DPAdamWOSM
-from lightning_oso.validation import check_number, check_open_interval, check_positive
+from lightning_oso.validation import check_clip, check_number, check_open_interval, check_positive
 
 
 @_document_shared_args()
@@ -71,7 +71,7 @@ class FixedQuantileDP(DPCallback):
     ) -> None:
         super().__init__(target_epsilon, target_delta, **kwargs)
         self.target_quantile = check_open_interval("target_quantile", target_quantile, 0, 1)
-        self._initial_clip = check_positive("initial_clip", initial_clip)
+        self._initial_clip = check_clip("initial_clip", initial_clip)
         self.clip_lr = check_number("clip_lr", clip_lr)
         self.requested_count_noise_std = (
             None if count_noise_std is None else check_positive("count_noise_std", count_noise_std)
