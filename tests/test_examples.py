@@ -452,3 +452,33 @@ def test_a_diverging_candidate_ends_its_run_not_the_comparison():
         assert run["best_step"] in [steps_per_epoch * e for e in (1, 2, 3)]
         for score, records in ((run["score"], len(splits[1])), (run["test"], len(splits[2]))):
             assert score * records == pytest.approx(round(score * records), abs=1e-3)  # a count of right answers
+
+
+def test_noise_in_step_benchmark_alternates_the_split_and_the_in_order_draw(tmp_path, monkeypatch):
+    """The in-step benchmark of the CPU sampler's split draw trains OSO with its steps alternating in pairs between
+    the release's own word source and the same source without ``split`` (which the sampler reads in order), puts back
+    the release's word source when done, and writes each variant's step count and times."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import noise_in_step
+
+    from lightning_oso import exact_noise, step
+
+    split_by_step: list[bool] = []
+    draw = exact_noise._draw_compiled
+
+    def watched(count, table, words, *args, **kwargs):
+        if count > 1000:  # the model-sized draw of each step
+            split_by_step.append(hasattr(words, "split"))
+        return draw(count, table, words, *args, **kwargs)
+
+    monkeypatch.setattr(exact_noise, "_draw_compiled", watched)
+    words_of = step.words_of
+    out = tmp_path / "noise_in_step.json"
+    argv = ["noise_in_step.py", "--batch-size", "8", "--steps", "14", "--threads", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    noise_in_step.main()
+    assert split_by_step == [True, True, False, False] * 3 + [True, True]
+    assert step.words_of is words_of
+    result = json.loads(out.read_text())
+    assert {v: r["steps"] for v, r in result["variants"].items()} == {"split": 4, "in order": 4}
+    assert all(r["median_ms"] > 0 for r in result["variants"].values()) and result["split_over_in_order"] > 0
