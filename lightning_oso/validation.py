@@ -177,8 +177,9 @@ def check_clip(name: str, value: Any) -> float:
     low, high = CLIP_RANGE
     if not low <= clip <= high:
         raise PrivacyConfigurationError(
-            f"{name} must lie in [2^-100, 2^100] (about 8e-31 to 1.3e30), the range a clipping threshold is kept "
-            f"in; got {value!r}: rescale the loss if its per-sample gradient norms are outside it"
+            f"{name} must lie in [2^{math.log2(low):g}, 2^{math.log2(high):g}] (about {low:.1g} to {high:.2g}), the "
+            f"range a clipping threshold is kept in; got {value!r}: rescale the loss if its per-sample gradient norms "
+            "are outside it"
         )
     return clip
 
