@@ -6,14 +6,15 @@ Steinke (2020, Algorithm 3, the textbook exact sampler, written out below) and t
 
 Times one model-sized draw at the release's scale (``exact_noise.discrete_gaussian``, ``s`` in ``[2^30, 2^31)``)
 from each word source (the keyed numpy words of the CPU noise streams, split into segments that ``--threads``
-threads draw at once as in the release, and the same stream read in order by one thread; a torch generator as on an
-accelerator; the secure one, split too), and with the accelerators' vectorised passes in place of the CPU's compiled
-loop; counts the 62-bit words each draw takes from its source, prints a table and writes JSON. Medians over the
-repeats, the samplers interleaved. ``normal_`` is not what the private step draws (its low-order bits and its
-5.77-sigma cut-off leak; docs/algorithms.md, "The exact release"): it is the cost the exact samplers are compared
-with. ``--against REV`` adds the sampler as it was at the git revision ``REV`` (its ``exact_noise.py`` loaded beside
-the current one, keyed numpy words), interleaved with the others: a change to the sampler is measured side by side
-with what it replaces.
+threads draw at once as in the release, the compiled loop making the words from the stream's generator state; the
+same, the loop reading the words numpy makes as arrays; the same stream read in order by one thread; a torch
+generator as on an accelerator; the secure one, split too), and with the accelerators' vectorised passes in place of
+the CPU's compiled loop; counts the 62-bit words each draw takes from its source, prints a table and writes JSON.
+Medians over the repeats, the samplers interleaved. ``normal_`` is not what the private step draws (its low-order
+bits and its 5.77-sigma cut-off leak; docs/algorithms.md, "The exact release"): it is the cost the exact samplers
+are compared with. ``--against REV`` adds the sampler as it was at the git revision ``REV`` (its ``exact_noise.py``
+and compiled loop loaded beside the current ones, keyed numpy words), interleaved with the others: a change to the
+sampler is measured side by side with what it replaces.
 """
 
 from __future__ import annotations
@@ -63,51 +64,88 @@ def cks20_discrete_gaussian(count: int, s: torch.Tensor, words: exact_noise.Word
     return out
 
 
-def sampler_at(revision: str) -> types.ModuleType:
-    """``lightning_oso.exact_noise`` as it was at the git revision ``revision``, loaded as a module of its own."""
-    where = f"{revision}:lightning_oso/exact_noise.py"
+def _module_at(revision: str, path: str, name: str, replace: tuple[tuple[str, str], ...] = ()) -> types.ModuleType:
+    """The file ``path`` as it was at the git revision ``revision``, loaded as the module ``name`` (each ``(old,
+    new)`` of ``replace`` replaced in its source first)."""
     root = Path(__file__).resolve().parents[1]
+    where = f"{revision}:{path}"
     source = subprocess.run(["git", "show", where], cwd=root, capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType("exact_noise_at_revision")
-    sys.modules[module.__name__] = module  # its dataclasses look their module up there
+    for old, new in replace:
+        source = source.replace(old, new)
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # its dataclasses look their module up there
     exec(compile(source, where, "exec"), module.__dict__)
     return module
 
 
-def _counting(words: exact_noise.Words, tally: list[int]) -> exact_noise.Words:
-    """``words`` with every word it gives counted in ``tally[0]``; a splittable source stays splittable (its readers'
-    words counted too, from any thread)."""
+def sampler_at(revision: str) -> types.ModuleType:
+    """``lightning_oso.exact_noise`` as it was at the git revision ``revision``, loaded as a module of its own, with
+    the compiled loop of that revision (``exact_noise_kernel``, compiled anew: a module loaded from text has no file
+    for numba's cache)."""
+    _module_at(
+        revision,
+        "lightning_oso/exact_noise_kernel.py",
+        "exact_noise_kernel_at_revision",
+        (("cache=True", "cache=False"),),
+    )
+    return _module_at(
+        revision,
+        "lightning_oso/exact_noise.py",
+        "exact_noise_at_revision",
+        (
+            (
+                "from lightning_oso import exact_noise_kernel as kernel",
+                "import exact_noise_kernel_at_revision as kernel",
+            ),
+        ),
+    )
+
+
+def _counting(words: exact_noise.Words, tally: list[int], claims: bool = True) -> exact_noise.Words:
+    """``words`` with every word it gives counted in ``tally[0]``, and every word whose generator state it hands to the
+    sampler's loop (``claim_state``, a keyed stream's: the loop makes those words itself) unless ``claims`` is false,
+    which leaves the loop to read the words as arrays; a splittable source stays splittable (its readers' words
+    counted too, from any thread)."""
     lock = threading.Lock()
 
-    def counted(count: int, device: torch.device) -> torch.Tensor:
+    def count(source, number: int) -> None:
         with lock:
-            tally[0] += count
-        return words(count, device)
+            tally[0] += number
 
-    split = getattr(words, "split", None)
-    if split is None:
-        return counted
+    class Counted:
+        def __init__(self, source) -> None:
+            self.source = source
+            if claims and hasattr(source, "claim_state"):
+                self.claim_state = self._claim_state
+            if hasattr(source, "split"):
+                self.split = self._split
+            if hasattr(source, "seek"):
+                self.seek = source.seek
 
-    class Reader:
-        def __init__(self, reader) -> None:
-            self.reader = reader
+        def __call__(self, number: int, device: torch.device) -> torch.Tensor:
+            count(self.source, number)
+            return self.source(number, device)
 
-        def seek(self, segment: int) -> None:
-            self.reader.seek(segment)
+        def _claim_state(self, number: int):
+            count(self.source, number)
+            return self.source.claim_state(number)
 
-        def __call__(self, count: int, device: torch.device) -> torch.Tensor:
-            with lock:
-                tally[0] += count
-            return self.reader(count, device)
+        def _split(self, segments: int):
+            open_reader = self.source.split(segments)
+            return lambda: Counted(open_reader())
 
-    class Splittable:
-        __call__ = staticmethod(counted)
+    return Counted(words)
 
-        def split(self, segments: int):
-            open_reader = split(segments)
-            return lambda: Reader(open_reader())
 
-    return Splittable()
+class _InOrder:
+    """A keyed stream without ``split``: the sampler reads it in order, on the calling thread (its loop making the
+    words)."""
+
+    def __init__(self, stream: KeyedWords) -> None:
+        self.stream, self.claim_state = stream, stream.claim_state
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        return self.stream(count, device)
 
 
 def _vectorised(draw):
@@ -147,6 +185,7 @@ def main() -> None:
         name: [0]
         for name in (
             "exact, keyed numpy words",
+            "exact, keyed numpy words read as arrays",
             "exact, keyed numpy words, one stream in order",
             "exact, vectorised passes, keyed numpy words",
             "exact, torch generator",
@@ -158,8 +197,13 @@ def main() -> None:
         "exact, keyed numpy words": lambda: exact_noise.discrete_gaussian(
             (args.numbers,), scale, _counting(words_of(keyed), tallies["exact, keyed numpy words"])
         ),
+        "exact, keyed numpy words read as arrays": lambda: exact_noise.discrete_gaussian(
+            (args.numbers,),
+            scale,
+            _counting(words_of(keyed), tallies["exact, keyed numpy words read as arrays"], claims=False),
+        ),
         "exact, keyed numpy words, one stream in order": lambda: exact_noise.discrete_gaussian(
-            (args.numbers,), scale, _counting(keyed.words, tallies["exact, keyed numpy words, one stream in order"])
+            (args.numbers,), scale, _counting(_InOrder(keyed), tallies["exact, keyed numpy words, one stream in order"])
         ),
         "exact, vectorised passes, keyed numpy words": lambda: _vectorised(
             lambda: exact_noise.discrete_gaussian(

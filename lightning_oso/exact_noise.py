@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.profiler import record_function
@@ -572,22 +573,49 @@ def _fill_compiled(kernel, target, add: bool, fields: tuple, words: Words, devic
     proposal is an independent draw of the law whichever were dropped, and the loop stops on the count of kept ones
     alone, so the draws are independent and of the law. The words come in chunks of :data:`_CHUNK` (and open trials'
     fresh words in chunks of :data:`_FRESH_SHARE` of that), drawn as the loop runs out of them; words left over are
-    never used again."""
+    never used again.
+
+    From a keyed stream (``randomness.KeyedWords`` and its segments' readers: their ``claim_state``), a chunk is the
+    stream's generator state and leave to make that many words: the loop makes them itself, the very words the
+    stream would have given (``exact_noise_kernel.pcg64dxsm_word``), so the draws are the same bit for bit, at about
+    half the words' cost and with no chunk of words in memory."""
     count = target.shape[0]
-    empty = torch.empty(0, dtype=torch.int64).numpy()
-    word, used, fresh, fresh_used, filled = empty, 0, empty, 0, 0
-    pending_value = torch.zeros(1, dtype=torch.int64).numpy()
-    pending_threshold = torch.zeros(1, dtype=torch.float64).numpy()
+    empty, no_state = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint64)
+    word, used, word_limit, word_state, filled = empty, 0, 0, no_state, 0
+    fresh, fresh_used, fresh_limit, fresh_state = empty, 0, 0, no_state
+    pending_value = np.zeros(1, dtype=np.int64)
+    pending_threshold = np.zeros(1, dtype=np.float64)
+    claim = getattr(words, "claim_state", None)  # a keyed stream: the loop makes its words
+
+    def next_words(count: int) -> tuple[np.ndarray, np.ndarray]:  # (words, state): the one the loop reads
+        return (empty, claim(count)) if claim is not None else (words(count, device).numpy(), no_state)
+
     while True:
         status, filled, used, fresh_used = kernel.fill(
-            target, add, filled, count, word, used, fresh, fresh_used, *fields, pending_value, pending_threshold
+            target,
+            add,
+            filled,
+            count,
+            word,
+            used,
+            word_limit,
+            word_state,
+            fresh,
+            fresh_used,
+            fresh_limit,
+            fresh_state,
+            *fields,
+            pending_value,
+            pending_threshold,
         )
         if status == kernel.DONE:
             return
         if status == kernel.OUT_OF_WORDS:
-            word, used = words(int(min(count - filled, _CHUNK) * _OVERDRAW) + 64, device).numpy(), 0
+            word_limit, used = int(min(count - filled, _CHUNK) * _OVERDRAW) + 64, 0
+            word, word_state = next_words(word_limit)
         elif status == kernel.OUT_OF_FRESH:
-            fresh, fresh_used = words(int(min(count - filled, _CHUNK) * _FRESH_SHARE) + 8, device).numpy(), 0
+            fresh_limit, fresh_used = int(min(count - filled, _CHUNK) * _FRESH_SHARE) + 8, 0
+            fresh, fresh_state = next_words(fresh_limit)
         else:  # a tie with the threshold's integer part: below()'s rule, further bits against its fraction
             threshold = float(pending_threshold[0])
             fraction = torch.tensor([threshold - math.floor(threshold)], dtype=torch.float64)

@@ -8,10 +8,12 @@ open trial takes one fresh word for the rest of its uniform number and the accep
 The tables, the thresholds and the acceptance's float64 expression are those of :mod:`lightning_oso.exact_noise`, so
 the law of the output is the same (docs/algorithms.md bounds it); only which word goes where differs.
 
-The kernel reads words the caller drew (any :data:`exact_noise.Words` source) and stops when it runs out of either
-buffer, or at a tie of the uniform number with the acceptance's threshold (probability ``2^-62`` per open trial),
-which the caller settles with :func:`exact_noise.bernoulli`. It never sees data: only the table, the words and the
-count wanted.
+The kernel reads words the caller drew (any :data:`exact_noise.Words` source), or makes them itself from a keyed
+stream's ``PCG64DXSM`` state (:func:`pcg64dxsm_word`, the very words numpy's generator would give: half the cost of
+asking numpy for them, and no buffer). It stops when it has read the words it was given leave to (either stream), or
+at a tie of the uniform number with the acceptance's threshold (probability ``2^-62`` per open trial), which the
+caller settles with :func:`exact_noise.bernoulli`. It never sees data: only the table, the words and the count
+wanted.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 #: Kernel status: the draws wanted are all made.
 DONE = 0
@@ -36,6 +40,44 @@ TIE = 3
 #: buckets' entries, where four separate arrays would cost four reads from four places).
 START, SURE, NEVER, BLOCK = 0, 1, 2, 3
 
+#: A keyed stream's generator state as the loop reads it (:func:`pcg64dxsm_word`): ``uint64[4]``, the high and low
+#: halves of the 128-bit LCG state, then of its increment. An empty array: the words come from the word arrays.
+STATE_WORDS = 4
+
+#: ``PCG64DXSM``'s multiplier, of its LCG step and of its output function (numpy's ``PCG_CHEAP_MULTIPLIER_128``).
+_CHEAP_MULTIPLIER = np.uint64(0xDA942042E4DD58B5)
+_ONE, _TWO, _THIRTY_TWO, _FORTY_EIGHT = np.uint64(1), np.uint64(2), np.uint64(32), np.uint64(48)
+
+
+@intrinsic
+def _high_product(typingctx, a, b):
+    """The high 64 bits of the 128-bit product of two uint64 (one machine multiply, which numba cannot spell)."""
+    signature = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, sig, args):
+        wide = ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+
+    return signature, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def pcg64dxsm_word(high: np.uint64, low: np.uint64, inc_high: np.uint64, inc_low: np.uint64) -> tuple:
+    """One word of numpy's ``PCG64DXSM`` from its state ``(high, low)`` and increment: ``(word, high', low')``, the
+    generator's 64-bit output (the DXSM function of the state before the step) shifted to its top
+    ``exact_noise.WORD_BITS`` = 62 bits, as ``randomness.KeyedWords`` shifts numpy's, and the state after the LCG step
+    ``state * multiplier + inc`` (mod ``2^128``). numpy's ``pcg64.h``: ``pcg_output_cm_128_64``, ``pcg_cm_step_r``."""
+    out = high ^ (high >> _THIRTY_TWO)
+    out *= _CHEAP_MULTIPLIER
+    out ^= out >> _FORTY_EIGHT
+    out *= low | _ONE
+    next_low = low * _CHEAP_MULTIPLIER + inc_low
+    carry = _ONE if next_low < inc_low else np.uint64(0)  # the low half's sum wrapped
+    # (the intrinsic's first parameter, the typing context, is numba's: two arguments here)
+    next_high = _high_product(low, _CHEAP_MULTIPLIER) + high * _CHEAP_MULTIPLIER + inc_high + carry  # type: ignore[call-arg]
+    return np.int64(out >> _TWO), next_high, next_low
+
 
 def _fill(
     out: np.ndarray,
@@ -44,8 +86,12 @@ def _fill(
     wanted: int,
     word: np.ndarray,
     used: int,
+    word_limit: int,
+    word_state: np.ndarray,
     fresh: np.ndarray,
     fresh_used: int,
+    fresh_limit: int,
+    fresh_state: np.ndarray,
     bucket_table: np.ndarray,
     mask: np.ndarray,
     anchor: np.ndarray,
@@ -57,10 +103,16 @@ def _fill(
     pending_value: np.ndarray,
     pending_threshold: np.ndarray,
 ) -> tuple[int, int, int, int]:
-    """Draws into ``out[filled:wanted]`` (assigned, or added where ``add``) from ``word[used:]`` and
-    ``fresh[fresh_used:]``; returns ``(status, filled, used, fresh_used)``. ``bucket_table`` holds the
-    :class:`exact_noise.ProposalTable`'s ``start``, ``sure``, ``never`` and ``block`` as the columns :data:`START`,
-    :data:`SURE`, :data:`NEVER`, :data:`BLOCK`; ``mask``, ``anchor`` and ``factor`` are its per-block fields.
+    """Draws into ``out[filled:wanted]`` (assigned, or added where ``add``) from the proposal words ``used`` to
+    ``word_limit`` and the fresh words ``fresh_used`` to ``fresh_limit``; returns ``(status, filled, used,
+    fresh_used)``. ``bucket_table`` holds the :class:`exact_noise.ProposalTable`'s ``start``, ``sure``, ``never`` and
+    ``block`` as the columns :data:`START`, :data:`SURE`, :data:`NEVER`, :data:`BLOCK`; ``mask``, ``anchor`` and
+    ``factor`` are its per-block fields.
+
+    Each stream of words is either an array (``word``, ``fresh``; its state array empty) or, where its state array
+    holds :data:`STATE_WORDS` entries, a ``PCG64DXSM`` generator at the stream's word ``used`` (``fresh_used``),
+    whose words the loop makes (:func:`pcg64dxsm_word`) and whose state it writes back on return, so that the next
+    call goes on from it.
 
     On :data:`TIE` the proposal's value is left in ``pending_value[0]`` and its threshold ``p 2^62`` (float64) in
     ``pending_threshold[0]``, its words counted as used: the caller decides it (:func:`exact_noise.below`'s tie),
@@ -72,12 +124,27 @@ def _fill(
     verdict_mask = (1 << verdict_bits) - 1
     low_mask = (1 << low_bits) - 1
     one_word = 2.0**word_bits
-    n_words = word.shape[0]
-    n_fresh = fresh.shape[0]
+    # the generators' states in locals (registers) while the loop runs; written back at every return
+    word_keyed, fresh_keyed = word_state.shape[0] == STATE_WORDS, fresh_state.shape[0] == STATE_WORDS
+    zero = np.uint64(0)
+    word_high, word_low, word_inc_high, word_inc_low = zero, zero, zero, zero
+    before_high, before_low = zero, zero
+    if word_keyed:
+        word_high, word_low, word_inc_high, word_inc_low = word_state[0], word_state[1], word_state[2], word_state[3]
+    fresh_high, fresh_low, fresh_inc_high, fresh_inc_low = zero, zero, zero, zero
+    if fresh_keyed:
+        fresh_high, fresh_low = fresh_state[0], fresh_state[1]
+        fresh_inc_high, fresh_inc_low = fresh_state[2], fresh_state[3]
+    status = DONE
     while filled < wanted:
-        if used >= n_words:
-            return OUT_OF_WORDS, filled, used, fresh_used
-        w = word[used]
+        if used >= word_limit:
+            status = OUT_OF_WORDS
+            break
+        if word_keyed:
+            before_high, before_low = word_high, word_low  # for a step back (an open trial without a fresh word)
+            w, word_high, word_low = pcg64dxsm_word(word_high, word_low, word_inc_high, word_inc_low)
+        else:
+            w = word[used]
         bucket = w >> (word_bits - bucket_bits)
         value = bucket_table[bucket, START] + (w & narrow_mask)
         verdict = (w >> narrow_bits) & verdict_mask
@@ -86,9 +153,15 @@ def _fill(
         elif verdict >= bucket_table[bucket, NEVER]:
             kept = False
         else:  # an open trial: the rest of its uniform number (and a wide block's position) from one fresh word
-            if fresh_used >= n_fresh:
-                return OUT_OF_FRESH, filled, used, fresh_used
-            f = fresh[fresh_used]
+            if fresh_used >= fresh_limit:
+                status = OUT_OF_FRESH  # this proposal's word is not counted: the next call takes the next one
+                if word_keyed:  # ... so the generator steps back: the next call makes the same word again
+                    word_high, word_low = before_high, before_low
+                break
+            if fresh_keyed:
+                f, fresh_high, fresh_low = pcg64dxsm_word(fresh_high, fresh_low, fresh_inc_high, fresh_inc_low)
+            else:
+                f = fresh[fresh_used]
             fresh_used += 1
             block = bucket_table[bucket, BLOCK]
             value += ((f >> low_bits) & (mask[block] >> narrow_bits)) << narrow_bits
@@ -106,7 +179,9 @@ def _fill(
             else:
                 pending_value[0] = value
                 pending_threshold[0] = threshold
-                return TIE, filled, used + 1, fresh_used
+                status = TIE
+                used += 1
+                break
         used += 1
         if kept:
             if add:
@@ -114,7 +189,11 @@ def _fill(
             else:
                 out[filled] = value
             filled += 1
-    return DONE, filled, used, fresh_used
+    if word_keyed:
+        word_state[0], word_state[1] = word_high, word_low
+    if fresh_keyed:
+        fresh_state[0], fresh_state[1] = fresh_high, fresh_low
+    return status, filled, used, fresh_used
 
 
 #: :func:`_fill` compiled (cached on disk after the first process compiles it).
@@ -124,8 +203,8 @@ fill: Callable[..., tuple[int, int, int, int]] = njit(cache=True, nogil=True)(_f
 def warm_up() -> None:
     """Loads the compiled loop for both outputs the sampler writes (int64 draws, float64 grid indices), compiling it
     on the first use ever, without drawing anything (no words, no draws wanted)."""
-    words = np.empty(0, dtype=np.int64)
+    words, state = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint64)
     table = (np.empty((0, 4), dtype=np.int64), words, words, np.empty(0, dtype=np.float64), 1.0, 62, 14, 26)
     pending = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64))
     for out, add in ((np.empty(0, dtype=np.int64), False), (np.empty(0, dtype=np.float64), True)):
-        fill(out, add, 0, 0, words, 0, words, 0, *table, *pending)
+        fill(out, add, 0, 0, words, 0, 0, state, words, 0, 0, state, *table, *pending)

@@ -114,6 +114,12 @@ class KeyedWords:
 
     __call__ = words
 
+    def claim_state(self, count: int) -> np.ndarray:
+        """The generator's state at the stream's next word, for a caller that makes the next ``count`` words itself
+        (the exact sampler's compiled loop), as :func:`pcg64dxsm_state`; the stream moves past those words, as if it
+        had given them."""
+        return _claim(self._bits, count)
+
     def split(self, segments: int) -> Callable[[], KeyedSegmentReader]:
         """Sets aside the stream's next ``segments << SEGMENT_BITS`` words as ``segments`` segments and moves the
         stream past them, so no later read meets them; returns a function that opens a reader over them (one per
@@ -147,10 +153,35 @@ class KeyedSegmentReader:
 
     def __call__(self, count: int, device: torch.device | str = "cpu") -> Tensor:
         """The segment's next ``count`` words (as :meth:`KeyedWords.words`)."""
+        self._reserve(count)
+        return _top_62_bits(self._bits, count, device)
+
+    def _reserve(self, count: int) -> None:
         if self._used + count > 1 << SEGMENT_BITS:
             raise RuntimeError(f"a segment of a split stream holds 2^{SEGMENT_BITS} words: no more are left in it")
         self._used += count
-        return _top_62_bits(self._bits, count, device)
+
+    def claim_state(self, count: int) -> np.ndarray:
+        """The state at the segment's next word, for a caller that makes its next ``count`` words itself (as
+        :meth:`KeyedWords.claim_state`), never past the segment's end."""
+        self._reserve(count)
+        return _claim(self._bits, count)
+
+
+def pcg64dxsm_state(bits: np.random.PCG64DXSM) -> np.ndarray:
+    """A ``PCG64DXSM`` generator's state as ``uint64[4]``: the high and low halves of its 128-bit LCG state, then of
+    its increment (what ``exact_noise_kernel.pcg64dxsm_word`` steps)."""
+    state = bits.state["state"]
+    low = (1 << 64) - 1
+    return np.array(
+        [state["state"] >> 64, state["state"] & low, state["inc"] >> 64, state["inc"] & low], dtype=np.uint64
+    )
+
+
+def _claim(bits: np.random.PCG64DXSM, count: int) -> np.ndarray:
+    state = pcg64dxsm_state(bits)
+    bits.advance(count)  # the stream goes on after the claimed words: none is given twice
+    return state
 
 
 def _top_62_bits(bits: np.random.PCG64DXSM, count: int, device: torch.device | str) -> Tensor:

@@ -364,6 +364,7 @@ def test_the_compiled_loop_decides_every_proposal_as_the_vectorised_passes_do(sc
 
     value, keep = exact_noise._proposals(size, table, source, layout, exact_noise.BUCKET_BITS)
     out = torch.empty(size, dtype=torch.int64)
+    no_state = np.empty(0, dtype=np.uint64)  # the words from the arrays
     status, filled, used, fresh_used = kernel.fill(
         out.numpy(),
         False,
@@ -371,8 +372,12 @@ def test_the_compiled_loop_decides_every_proposal_as_the_vectorised_passes_do(sc
         size,
         main.numpy(),
         0,
+        size,
+        no_state,
         fresh.numpy(),
         0,
+        size,
+        no_state,
         *exact_noise.kernel_fields(table, layout, exact_noise.BUCKET_BITS),
         torch.zeros(1, dtype=torch.int64).numpy(),
         torch.zeros(1, dtype=torch.float64).numpy(),
@@ -383,6 +388,66 @@ def test_the_compiled_loop_decides_every_proposal_as_the_vectorised_passes_do(sc
     assert fresh_used == sum(asked[1:])  # one fresh word per open trial, as many trials open
     if scale > 10:  # blocks wider than one integer: some trials open
         assert fresh_used > 0
+
+
+class _ArrayWords:
+    """A keyed stream handed to the sampler as arrays of words (its calls, and its segments' readers' calls), without
+    ``claim_state``: the loop reads the words the stream gives instead of making them."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        return self.stream(count, device)
+
+    def split(self, segments: int):
+        open_reader = self.stream.split(segments)
+        return lambda: _ArrayWords(open_reader())
+
+    def seek(self, segment: int) -> None:
+        self.stream.seek(segment)
+
+
+class _InOrder:
+    """A keyed stream read in order (no ``split``), as arrays of words or, with ``claims``, made in the loop."""
+
+    def __init__(self, stream, claims: bool) -> None:
+        self.stream = stream
+        if claims:
+            self.claim_state = stream.claim_state
+
+    def __call__(self, count: int, device: torch.device) -> torch.Tensor:
+        return self.stream(count, device)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize(("scale", "layout"), [(1.37 * 2**30, exact_noise.RELEASE_LAYOUT), (37.3, ((6, 2), (12, 6)))])
+def test_words_made_in_the_loop_draw_what_the_streams_words_draw(scale, layout, split, monkeypatch):
+    """From a keyed stream the compiled loop makes the words itself (``claim_state``): the draws must be those of the
+    same stream's words read as arrays, bit for bit, assigned and added, across chunks and runs, with the fresh words
+    running out in the middle of a chunk (the loop then makes the proposal's word again on the next call), and the
+    stream must stand at the same word afterwards (the next draw's words are the same). Read in order, and split into
+    segments on two threads."""
+    from lightning_oso.randomness import KeyedWords
+
+    monkeypatch.setattr(exact_noise, "_CHUNK", 3000)
+    monkeypatch.setattr(exact_noise, "_FRESH_SHARE", 0.002)  # a few fresh words a chunk: they run out mid-chunk
+    monkeypatch.setattr(exact_noise, "_SEGMENT", 2**14)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    key = np.random.SeedSequence(21, spawn_key=(0, 0, 0, 5))
+    made, read = KeyedWords(key), KeyedWords(key)
+    made_source = made if split else _InOrder(made, claims=True)
+    read_source = _ArrayWords(read) if split else _InOrder(read, claims=False)
+    scale_t = torch.tensor(scale, dtype=torch.float64)
+    for add in (False, True):
+        base = torch.linspace(-5, 5, 40_000, dtype=torch.float64)
+        drawn = [
+            exact_noise.discrete_gaussian((40_000,), scale_t, source, layout, add_to=base.clone() if add else None)
+            for source in (made_source, read_source)
+        ]
+        assert torch.equal(drawn[0], drawn[1])
+        assert torch.equal(made(4), read(4))
+        assert not torch.equal(drawn[0], drawn[0].roll(1))  # not a constant
 
 
 def _chi_square_against_the_law(z: torch.Tensor, scale: float, bin_width: int, reach: int) -> tuple[float, int]:

@@ -258,3 +258,50 @@ def test_a_segment_reader_never_goes_back_nor_past_its_segments_end(monkeypatch)
     reader(6)  # the segment's last words are still its own
     with pytest.raises(ValueError, match="at least 1"):
         randomness.KeyedWords(np.random.SeedSequence(2)).split(0)
+
+
+def test_the_compiled_loop_makes_the_keyed_streams_very_words():
+    """The exact sampler's loop makes a keyed stream's words itself from its ``PCG64DXSM`` state
+    (``exact_noise_kernel.pcg64dxsm_word``): they must be numpy's words bit for bit (the generator the streams are
+    keyed in and the segments are cut from), the top 62 bits of each output, from states whose low half's step carries
+    into the high half and from random ones, with the state after each word numpy's state after it. A claimed state
+    moves the stream past the claimed words, as reading them would, in the stream and in a segment."""
+    from lightning_oso.exact_noise_kernel import pcg64dxsm_word
+    from lightning_oso.randomness import KeyedWords, pcg64dxsm_state
+
+    full = (1 << 64) - 1
+    states = [  # (high half, low half, increment)
+        (full, full, 1),  # every bit set: the low half's product and the increment carry
+        (1 << 63, full, (1 << 128) - 1),
+        (0, 0, 1),
+        (12345, full - 2, (1 << 64) + 1),
+    ]
+    rng = np.random.default_rng(4)
+    states += [(int(rng.integers(0, 2**63)) << 1, int(rng.integers(0, 2**63)) * 2 + 1, 0) for _ in range(3)]
+    for high, low, inc in states:
+        bits = np.random.PCG64DXSM(0)
+        bits.state = {
+            "bit_generator": "PCG64DXSM",
+            "state": {"state": (high << 64) | low, "inc": inc | 1},
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
+        state = pcg64dxsm_state(bits)
+        expected = bits.random_raw(300) >> np.uint64(2)
+        h, lo = state[0], state[1]
+        for k in range(300):
+            word, h, lo = pcg64dxsm_word(np.uint64(h), np.uint64(lo), state[2], state[3])  # uint64, as in the loop
+            assert word == np.int64(expected[k]), (high, low, inc, k)
+        assert (int(h), int(lo)) == tuple(pcg64dxsm_state(bits)[:2])
+
+    key = np.random.SeedSequence(3, spawn_key=(0, 0, 0, 9))
+    stream, reference = KeyedWords(key), KeyedWords(key)
+    claimed = stream.claim_state(40)
+    assert np.array_equal(claimed, pcg64dxsm_state(reference._bits))
+    reference(40)
+    assert torch.equal(stream(5), reference(5))  # past the claimed words
+    reader = stream.split(1)()
+    reader.seek(0)
+    reader.claim_state(7)
+    reference(7)
+    assert torch.equal(reader(3), reference(3))

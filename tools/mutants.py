@@ -262,6 +262,22 @@ MUTANTS = (
         "the CPU sampler's position in a wide block read from a bit its trial's uniform number also reads",
     ),
     Mutant(
+        "keyed_words_step_without_carry",
+        "lightning_oso/exact_noise_kernel.py",
+        "carry = _ONE if next_low < inc_low else np.uint64(0)  # the low half's sum wrapped",
+        "carry = np.uint64(0)",
+        ("tests/test_randomness.py::test_the_compiled_loop_makes_the_keyed_streams_very_words",),
+        "the CPU sampler's own PCG64DXSM step drops the carry: its words are not the keyed stream's",
+    ),
+    Mutant(
+        "claimed_words_not_passed",
+        "lightning_oso/randomness.py",
+        "bits.advance(count)  # the stream goes on after the claimed words: none is given twice",
+        "pass",
+        ("tests/test_exact_release.py::test_words_made_in_the_loop_draw_what_the_streams_words_draw",),
+        "a stream whose words the sampler's loop makes does not move past them: the next chunk reuses them",
+    ),
+    Mutant(
         "grid_index_by_the_inverse_step",
         "lightning_oso/exact_noise.py",
         "return values.div_(power_of_two(exponent, values.device)).round_()",
