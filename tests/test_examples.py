@@ -1,5 +1,6 @@
 """The examples run end to end at their smallest settings and write what the documentation promises."""
 
+import inspect
 import json
 import math
 import sys
@@ -482,3 +483,28 @@ def test_noise_in_step_benchmark_alternates_the_split_and_the_in_order_draw(tmp_
     result = json.loads(out.read_text())
     assert {v: r["steps"] for v, r in result["variants"].items()} == {"split": 4, "in order": 4}
     assert all(r["median_ms"] > 0 for r in result["variants"].values()) and result["split_over_in_order"] > 0
+
+
+def test_line_profile_attributes_the_operators_to_the_library_lines_that_call_them(tmp_path, monkeypatch):
+    """The by-line profile of a private step: each operator's time goes to the library line that called it, so the
+    release's grid index (``exact_noise._to_grid_index_``: a division, a rounding and a clamp per step) and the
+    clipped sums show under their own lines, with their calls per timed step; the table and the JSON are written."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import line_profile
+
+    from lightning_oso import exact_noise
+
+    out = tmp_path / "lines"
+    argv = ["line_profile.py", "--model", "mlp", "--variant", "fixed_clip", "--batch-size", "8", "--steps", "7"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--threads", "1", "--top", "50", "--out", str(out)])
+    line_profile.main()
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["timed_steps"] == 7 - line_profile.WARMUP
+    lines = result["lines"]
+    source, first = inspect.getsourcelines(exact_noise._to_grid_index_)
+    index_line = first + next(i for i, text in enumerate(source) if "div_(" in text)
+    grid = lines[f"exact_noise.py:{index_line}"]["operators"]
+    assert {"div_", "round_", "clamp_"} <= set(grid) and grid["div_"]["calls"] == pytest.approx(1)
+    assert any(line.startswith("per_sample/linear.py") for line in lines)
+    assert result["operator_ms_per_step"] == pytest.approx(sum(entry["ms"] for entry in lines.values()))
+    assert "| line | ms | calls |" in out.with_suffix(".md").read_text()
