@@ -587,7 +587,7 @@ def _fill_compiled(kernel, target, add: bool, fields: tuple, words: Words, devic
     pending_threshold = np.zeros(1, dtype=np.float64)
     claim = getattr(words, "claim_state", None)  # a keyed stream: the loop makes its words
 
-    def next_words(count: int) -> tuple[np.ndarray, np.ndarray]:  # (words, state): the one the loop reads
+    def next_words(count: int) -> tuple[np.ndarray, np.ndarray]:  # a chunk: (words, empty state) or (empty, state)
         return (empty, claim(count)) if claim is not None else (words(count, device).numpy(), no_state)
 
     while True:
