@@ -724,17 +724,19 @@ def grid_index(values: Tensor, exponent: Tensor) -> Tensor:
     The values are divided by ``gamma = 2^exponent``, never multiplied by ``2^-exponent``: ``gamma`` is exact down to
     ``2^-1074`` (a subnormal), where ``2^-exponent`` overflows to infinity from ``exponent = -1024`` on (a noise std
     below about ``2^-993``), which made a zero coordinate's index NaN and every other one ``+-MAX_GRID_INDEX``."""
-    return _to_grid_index_(values.to(torch.float64, copy=True), exponent)
+    return _to_grid_index_(values.to(torch.float64, copy=True), power_of_two(exponent, values.device))
 
 
-def _to_grid_index_(values: Tensor, exponent: Tensor) -> Tensor:
-    """:func:`grid_index` in place on float64 ``values``."""
-    return values.div_(power_of_two(exponent, values.device)).round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
+def _to_grid_index_(values: Tensor, step: Tensor) -> Tensor:
+    """:func:`grid_index` in place on float64 ``values``, for the grid step ``gamma = power_of_two(exponent)`` (made
+    once by each caller: a handful of small operations, each a kernel launch on an accelerator)."""
+    return values.div_(step).round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
 
 
 def on_grid(values: Tensor, exponent: Tensor) -> Tensor:
     """``values`` rounded onto the grid ``2^exponent`` (:func:`grid_index` times the step; float64, exact)."""
-    return grid_index(values, exponent).mul_(power_of_two(exponent, values.device))
+    step = power_of_two(exponent, values.device)
+    return _to_grid_index_(values.to(torch.float64, copy=True), step).mul_(step)
 
 
 def grid_noise_std(std: Tensor, multiplier: float, coordinates: int) -> Tensor:
@@ -769,16 +771,16 @@ def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
 def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
     """:func:`release_on_grid` in place on ``values``, a float64 tensor the caller owns (the release's own copy of
     the sums: no model-sized temporary beyond the noise's)."""
-    exponent = grid_exponent(std)
-    index = _to_grid_index_(values, exponent)
+    step = power_of_two(grid_exponent(std), values.device)  # gamma
+    index = _to_grid_index_(values, step)
     # std / gamma in [2^30, 2^31), exact: gamma is a float64 number wherever 2^-exponent is (and below, to 2^-1074)
-    scale = std.to(device=index.device, dtype=torch.float64) / power_of_two(exponent, index.device)
+    scale = std.to(device=index.device, dtype=torch.float64) / step
     with record_function("lightning_oso.noise"):
         if scale.numel() == 1 and index.is_contiguous():  # one grid: the integers added as they are drawn
             discrete_gaussian(index.shape, scale.reshape(()), words, add_to=index)
         else:
             index.add_(discrete_gaussian(index.shape, scale, words))
-    return index.mul_(power_of_two(exponent, index.device))  # |index + noise| < 2^52 + 2^36: exact in float64
+    return index.mul_(step)  # |index + noise| < 2^52 + 2^36: exact in float64
 
 
 def floating_point_epsilon(coordinates_per_step: int, steps: int) -> float:
