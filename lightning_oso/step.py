@@ -282,17 +282,9 @@ def total_over_processes(clipped: ClippedSums, sum_across_processes: Reduce | No
         # (float32 and bfloat16 values are float64 values): no model-sized copy here
         return Totals(list(clipped.sums), clipped.scalars)
     scalars = None if clipped.scalars is None else clipped.scalars.to(torch.float64)
-    buffer = rows_laid_end_to_end(clipped.sums)
-    if buffer is None:
-        totals = Totals([s.to(torch.float64) for s in clipped.sums], scalars)
-        sum_across_processes(totals.tensors())
-        return totals
-    # the sums laid out by rows in one buffer (clip_and_sum's): one float64 copy of it, added up as one tensor, and
-    # per parameter its views, laid out as the buffer's were
-    total = buffer.to(torch.float64, copy=True)
-    sum_across_processes([total, *([] if scalars is None else [scalars])])
-    sizes = [math.prod(s.shape[1:]) for s in clipped.sums]
-    return Totals([part.view(s.shape) for part, s in zip(total.split(sizes, dim=1), clipped.sums)], scalars)
+    totals = Totals([s.to(torch.float64) for s in clipped.sums], scalars)
+    sum_across_processes(totals.tensors())
+    return totals
 
 
 def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums | None = None) -> ClippedSums:
