@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_oso.step import DeferredQuery, SanitisedStep, flat_dot, rows_laid_end_to_end
+from lightning_oso.step import DeferredQuery, SanitisedStep, flat_dot
 from lightning_oso.validation import CLIP_RANGE, check_clip, check_number, check_open_interval, check_positive
 
 # The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
@@ -79,23 +79,14 @@ def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
     ``C' x`` row 1 with ``C' = C_t (1 - 4u)`` rounded to the sums' dtype, so that a clipped record's share
     ``C' fl(1 / N_i) g_i``, rounded twice more than the one division ``fl(C_t / N_i)`` of plain clipping, stays
     below ``C_t / N_i`` times its gradient: the sensitivity ``C_t`` is kept with margin."""
-    buffer = rows_laid_end_to_end(sums)
-    if buffer is not None:  # the sums laid out by rows in one buffer (step.clip_and_sum's): one operation for all
-        buffer[0].addcmul_(buffer[1], _split_scale(clip, buffer.dtype))
-        return sums
     scales: dict[torch.dtype, Tensor] = {}  # one C' per dtype, not per parameter (this runs every micro-batch)
     for s in sums:
         if s.dtype not in scales:
-            scales[s.dtype] = _split_scale(clip, s.dtype)
+            u = torch.finfo(s.dtype).eps / 2
+            # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
+            scales[s.dtype] = (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype)
         s[0].addcmul_(s[1], scales[s.dtype])
     return sums
-
-
-def _split_scale(clip: Tensor, dtype: torch.dtype) -> Tensor:
-    """``C' = C_t (1 - 4u)`` in ``dtype`` (:func:`clipped_sum_from_split`), on the device: no host read. The cast to
-    ``dtype`` rounds by at most ``u``, inside the margin."""
-    u = torch.finfo(dtype).eps / 2
-    return (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(dtype)
 
 
 def centred_unclipped_count(norms: Tensor, clip: Tensor) -> Tensor:

@@ -128,11 +128,7 @@ class DeferredQuery:
     ) -> None:
         # the raw S, float32 or wider, un-noised, never returned: one flat copy of the row, and per parameter a
         # [1, *shape] view of it (for the materialised q~, one tensor per parameter)
-        row = rows_laid_end_to_end(sums)  # a row of clip_and_sum's one buffer: one copy of it
-        if row is not None:
-            self._flat = row.reshape(-1).clone()
-        else:
-            self._flat = torch.cat([s.reshape(-1) for s in sums]) if sums else torch.zeros(0)
+        self._flat = torch.cat([s.reshape(-1) for s in sums]) if sums else torch.zeros(0)
         self._shapes = [s.shape for s in sums]
         self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
         self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
@@ -309,12 +305,7 @@ def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums 
         weights = torch.where(finite, rule.weights(norms), 0.0)
         # Parameters not used in this micro-batch get zero sums, still noised at the release: whether a parameter
         # was used may depend on the data
-        sums = per_sample.weighted_sums(weights)
-        if into is None:  # the logical batch's sums in one buffer: later micro-batches are added into its views
-            dtypes = {sum_dtype(s.dtype) for s in sums}
-            if len(dtypes) == 1:
-                sums = laid_out_by_rows(sums, dtypes.pop())
-        sums = rule.queries(sums)
+        sums = rule.queries(per_sample.weighted_sums(weights))
     per_sample.release()
     contributions = rule.scalar_queries(norms)
     scalars = torch.where(finite, contributions, 0.0).sum(dim=0) if contributions is not None else None
@@ -464,16 +455,12 @@ def add_gaussian_noise(sums: Sequence[Tensor], stds: Tensor, generator: Generato
         return []
     rows = sums[0].shape[0]
     sizes = [math.prod(s.shape[1:]) for s in sums]
-    # one float64 copy of all the rows, converted on the way (exact from any narrower float), released in place: of
-    # the one buffer that holds them where they are laid out by rows (clip_and_sum's), else each part copied into its
-    # columns (torch.cat with a float64 out= converts about seven times slower on a CPU)
+    # one float64 copy of all the rows, converted on the way (exact from any narrower float), released in place; each
+    # part copied into its columns (torch.cat with a float64 out= converts about seven times slower on a CPU)
     flat = torch.empty(rows, sum(sizes), dtype=torch.float64, device=sums[0].device)
-    buffer = rows_laid_end_to_end(sums)
-    if buffer is not None:
-        flat.copy_(buffer)
-    else:
-        for part, s in zip(flat.split(sizes, dim=1), sums):
-            part.copy_(s.reshape(rows, -1))
+    parts = flat.split(sizes, dim=1)
+    for part, s in zip(parts, sums):
+        part.copy_(s.reshape(rows, -1))
     noisy = exact_noise.release_on_grid_(flat, stds.to(flat.device).reshape(rows, 1), words_of(generator))
     return [part.reshape(s.shape) for part, s in zip(noisy.split(sizes, dim=1), sums)]
 
@@ -557,59 +544,3 @@ def laid_end_to_end(tensors: Sequence[Tensor]) -> Tensor | None:
             return None
         offset += t.numel()
     return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
-
-
-def rows_laid_end_to_end(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The per-parameter sums ``[k, *shape]`` as one ``[k, total]`` view of the buffer that holds them, where row ``r``
-    of every tensor lies in row ``r`` of that buffer, the tensors one after another (:func:`laid_out_by_rows`'s
-    layout); else ``None``. Reads only the tensors' layout."""
-    if not tensors or tensors[0].dim() == 0:
-        return None
-    first = tensors[0]
-    rows, row_stride = first.shape[0], first.stride(0)
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in tensors:
-        if not (
-            t.dim() > 0
-            and t.shape[0] == rows
-            and (rows == 1 or t.stride(0) == row_stride)
-            and t.dtype == first.dtype
-            and t.device == first.device
-            and t.untyped_storage().data_ptr() == storage
-            and t.storage_offset() == offset
-            and _rows_contiguous(t)
-        ):
-            return None
-        offset += t.numel() // rows if rows else 0
-    width = offset - first.storage_offset()
-    if rows > 1 and row_stride != width:
-        return None
-    return first.as_strided((rows, width), (width, 1), first.storage_offset())
-
-
-def _rows_contiguous(t: Tensor) -> bool:
-    """Whether each row ``t[r]`` is contiguous (from the strides: no operator call)."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def laid_out_by_rows(sums: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """The per-parameter sums ``[k, *shape]`` copied (converted to ``dtype``) into one ``[k, total]`` buffer, row ``r``
-    of every parameter laid end to end in row ``r``, and returned as that buffer's per-parameter views: what follows
-    (OSO's combination of its rows, the release's float64 copy, the deferred row) is then one operation on the
-    buffer instead of one per parameter (:func:`rows_laid_end_to_end`). The sums as they are (converted) where they
-    do not share a device or a row count."""
-    if not sums or len({(s.device, s.shape[0] if s.dim() else -1) for s in sums}) != 1 or sums[0].dim() == 0:
-        return [s if s.dtype == dtype else s.to(dtype) for s in sums]
-    rows = sums[0].shape[0]
-    sizes = [s.numel() // rows if rows else 0 for s in sums]
-    buffer = torch.empty(rows, sum(sizes), dtype=dtype, device=sums[0].device)
-    views = []
-    for part, s in zip(buffer.split(sizes, dim=1), sums):
-        part.copy_(s.reshape(rows, -1))
-        views.append(part.view(s.shape))
-    return views

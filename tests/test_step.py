@@ -309,39 +309,3 @@ def test_averaging_the_release_in_one_division_gives_the_same_bits():
     step.average(released, 3.0)
     step.average(separate, 3.0)
     assert all(torch.equal(a, b) for a, b in zip(released, separate))
-
-
-def test_sums_laid_out_by_rows_release_what_separate_sums_release():
-    """``clip_and_sum`` lays a logical batch's sums out in one ``[k, total]`` buffer (``laid_out_by_rows``), so that
-    OSO's combination of its rows, the release's float64 copy and the deferred row are one operation each; any other
-    layout takes the per-parameter path. The two must release the same values bit for bit, with the same noise: the
-    clipped and direction sums, the released gradient and the deferred query's inner product. The layout check reads
-    the strides alone: separate tensors, a gap, another order, another dtype or a row count that differs are not one
-    buffer."""
-    samples = [s.float() for s in _grad_samples(n=40, seed=5)]
-    rule = OSOClipping(noise_multiplier=1.0, initial_clip=0.5)
-    clipped = step.clip_and_sum(TensorSource([s.clone() for s in samples]), rule)
-    buffer = step.rows_laid_end_to_end(clipped.sums)
-    assert buffer is not None and buffer.shape == (2, sum(math.prod(s.shape[1:]) for s in samples))
-    separate = rule.queries(weighted_sums(samples, rule.weights(per_sample_norms(samples))))
-    assert step.rows_laid_end_to_end(separate) is None
-    for a, b in zip(clipped.sums, separate):
-        assert torch.equal(a, b)
-    apart = step.ClippedSums([s.clone() for s in separate], None, clipped.norms, 1)
-
-    def released(sums: step.ClippedSums):  # the same noise for both
-        out = step.release(sums, rule, 40.0, step.ReleaseWiring(step.gaussian_noise(torch.Generator().manual_seed(9))))
-        return out, out.deferred[0].inner([torch.full_like(g, 0.25) for g in out.gradients])
-
-    (one, one_inner), (two, two_inner) = released(clipped), released(apart)
-    assert all(torch.equal(a, b) for a, b in zip(one.sums, two.sums)) and torch.equal(one_inner, two_inner)
-    views = step.laid_out_by_rows([torch.ones(2, 3), torch.zeros(2, 1, 4)], torch.float64)
-    assert step.rows_laid_end_to_end(views) is not None and views[0].dtype == torch.float64
-    for other in (
-        views[::-1],
-        [views[0], views[1][:, :, :2]],
-        [views[0].float(), views[1]],
-        [views[0][:1], views[1]],
-    ):
-        assert step.rows_laid_end_to_end(other) is None
-    assert step.rows_laid_end_to_end([torch.ones(2, 3), torch.ones(2, 4)]) is None

@@ -57,14 +57,6 @@ MUTANTS = (
         "every record's gradient summed whole: the sensitivity is unbounded",
     ),
     Mutant(
-        "oso_clipped_sum_without_c_t_in_one_buffer",
-        "lightning_oso/clipping.py",
-        "buffer[0].addcmul_(buffer[1], _split_scale(clip, buffer.dtype))",
-        "buffer[0].add_(buffer[1])",
-        (f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[oso]",),
-        "OSO's clipped sum, on the step's one buffer of sums, adds the clipped records' directions without C_t",
-    ),
-    Mutant(
         "oso_clipped_sum_without_c_t",
         "lightning_oso/clipping.py",
         "s[0].addcmul_(s[1], scales[s.dtype])",
