@@ -108,7 +108,7 @@ def _counting(words: exact_noise.Words, tally: list[int], claims: bool = True) -
     counted too, from any thread)."""
     lock = threading.Lock()
 
-    def count(source, number: int) -> None:
+    def count(number: int) -> None:
         with lock:
             tally[0] += number
 
@@ -123,11 +123,11 @@ def _counting(words: exact_noise.Words, tally: list[int], claims: bool = True) -
                 self.seek = source.seek
 
         def __call__(self, number: int, device: torch.device) -> torch.Tensor:
-            count(self.source, number)
+            count(number)
             return self.source(number, device)
 
         def _claim_state(self, number: int):
-            count(self.source, number)
+            count(number)
             return self.source.claim_state(number)
 
         def _split(self, segments: int):
@@ -138,14 +138,21 @@ def _counting(words: exact_noise.Words, tally: list[int], claims: bool = True) -
 
 
 class _InOrder:
-    """A keyed stream without ``split``: the sampler reads it in order, on the calling thread (its loop making the
-    words)."""
+    """A word source without its ``split``: the sampler then reads it in order on the calling thread (a keyed
+    stream's words still made in the sampler's loop, from its ``claim_state``, as in the split draw)."""
 
-    def __init__(self, stream: KeyedWords) -> None:
-        self.stream, self.claim_state = stream, stream.claim_state
+    def __init__(self, words: exact_noise.Words) -> None:
+        self.words = words
+        if hasattr(words, "claim_state"):
+            self.claim_state = words.claim_state
 
     def __call__(self, count: int, device: torch.device) -> torch.Tensor:
-        return self.stream(count, device)
+        return self.words(count, device)
+
+
+def in_order(words: exact_noise.Words) -> exact_noise.Words:
+    """``words`` without its ``split`` (:class:`_InOrder`): only the split differs from the release's draw."""
+    return _InOrder(words)
 
 
 def _vectorised(draw):
@@ -203,7 +210,7 @@ def main() -> None:
             _counting(words_of(keyed), tallies["exact, keyed numpy words read as arrays"], claims=False),
         ),
         "exact, keyed numpy words, one stream in order": lambda: exact_noise.discrete_gaussian(
-            (args.numbers,), scale, _counting(_InOrder(keyed), tallies["exact, keyed numpy words, one stream in order"])
+            (args.numbers,), scale, _counting(in_order(keyed), tallies["exact, keyed numpy words, one stream in order"])
         ),
         "exact, vectorised passes, keyed numpy words": lambda: _vectorised(
             lambda: exact_noise.discrete_gaussian(

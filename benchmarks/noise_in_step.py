@@ -33,30 +33,13 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from noise_generation import in_order
 from overhead import BENCHMARKED, _Module, fit_quietly, loss_of, synthetic_data
 
 from lightning_oso import OSODP, step
 
 WARM_UP = 6
 VARIANTS = ("split", "in order")
-
-
-class _InOrder:
-    """A word source without its ``split``: the sampler then reads it in order on the calling thread (a keyed
-    stream's words still made in the sampler's loop, from its ``claim_state``, as in the split draw)."""
-
-    def __init__(self, words: Any) -> None:
-        self.words = words
-        if hasattr(words, "claim_state"):
-            self.claim_state = words.claim_state
-
-    def __call__(self, count: int, device: Any) -> Any:
-        return self.words(count, device)
-
-
-def in_order(words: Any) -> Any:
-    """The word source without its ``split`` (:class:`_InOrder`)."""
-    return _InOrder(words)
 
 
 class _Alternate(L.Callback):
