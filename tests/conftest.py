@@ -1,6 +1,7 @@
 """Fixtures, and the hypothesis profile of the property-based tests; the shared helpers (ToyModel, toy_data,
 toy_loader, make_trainer, ...) live in helpers.py."""
 
+import logging
 import os
 
 import lightning.pytorch as L
@@ -37,6 +38,17 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _lightning_log_level():
+    """Lightning's logger keeps the level it had before the test: the examples' workers quiet it
+    (``setLevel(ERROR)``, for their command-line users) and never put it back, so a test that reads Lightning's
+    messages (``caplog``) read nothing when one of them had run before it in the same process."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
