@@ -16,8 +16,9 @@ Lightning (2.6.6):
   strategy's checkpoint IO and precision plugin *as configured* (``Strategy.checkpoint_io`` and
   ``Strategy.precision_plugin`` would build defaults where none was set; the private ``_checkpoint_io`` and
   ``_precision_plugin`` are ``None`` then, which the new strategy's constructor takes to mean the same).
-- :func:`logs_this_step`: ``dp/epsilon`` costs an accountant evaluation, so it is computed only on the steps a
-  logger will record (``log_every_n_steps``): ``trainer._logger_connector.should_update_logs``.
+- :func:`logs_this_step`: the ``dp/*`` values are logged only on the steps a logger will record
+  (``log_every_n_steps``; ``self.log`` costs host time and ``dp/epsilon`` an accountant evaluation):
+  ``trainer._logger_connector.should_update_logs``.
 - :func:`wrapped_sampler`: under DDP Lightning wraps a user's sampler in a ``DistributedSamplerWrapper``, which keeps
   it as ``wrapper.dataset._sampler``; the Poisson loader looks through the wrapper to the records the user's sampler
   draws from (``data.index_set_of``).

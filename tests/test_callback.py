@@ -72,6 +72,53 @@ def test_fit_logs_trajectories_and_stays_within_budget(tmp_path):
     assert clips[0] == pytest.approx(0.1, rel=1e-6)
 
 
+class _LogRecordingModel(ToyModel):
+    """Records the step of each ``self.log`` of ``dp/clip``."""
+
+    def __init__(self):
+        super().__init__()
+        self.clip_logged_at = []
+
+    def log(self, name, value, *args, **kwargs):
+        if name == "dp/clip":
+            self.clip_logged_at.append(self.trainer.global_step)
+        super().log(name, value, *args, **kwargs)
+
+
+class _ClipAfterEachStep(Callback):
+    def __init__(self, dp):
+        self.dp, self.clips = dp, {}
+
+    def on_train_batch_end(self, trainer, *args):
+        self.clips[trainer.global_step] = self.dp.clip
+
+
+def test_values_are_logged_at_the_loggers_cadence_and_each_record_is_that_steps(tmp_path):
+    """``self.log`` costs host time on every call, so the callback logs on the steps a logger records, the end of each
+    epoch and the last step; what the logger records is still that step's ``C_t``, not an older one."""
+    dp = OSODP(target_epsilon=2.0, target_delta=1e-4)
+    after = _ClipAfterEachStep(dp)
+    model = _LogRecordingModel()
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer = make_trainer([dp, after], logger=logger, log_every_n_steps=4)
+    trainer.fit(model, toy_loader())  # 3 epochs of 10 steps; the budget is spent at step 30
+    assert dp.steps == 30
+    assert model.clip_logged_at == [4, 8, 10, 12, 16, 20, 24, 28, 30]  # every 4th, the epochs' ends, the last
+    events = EventAccumulator(glob.glob(str(tmp_path / "run" / "version_0"))[0])
+    events.Reload()
+    recorded = events.Scalars("dp/clip")
+    assert [s.step + 1 for s in recorded] == [4, 8, 12, 16, 20, 24, 28, 30]
+    assert [s.value for s in recorded] == pytest.approx([after.clips[s.step + 1] for s in recorded], rel=1e-6)
+    # a fit shorter than the cadence (Lightning's default: 50 steps) still leaves its last values
+    short = OSODP(target_epsilon=2.0, target_delta=1e-4)
+    model = _LogRecordingModel()
+    trainer = make_trainer([short], max_steps=3)
+    trainer.fit(model, toy_loader())
+    assert model.clip_logged_at == [3]
+    assert trainer.callback_metrics["dp/clip"].item() == pytest.approx(short.clip, rel=1e-6)
+    assert trainer.callback_metrics["dp/epsilon"].item() == pytest.approx(short.epsilon, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_training_batches_are_poisson_samples():
     dp = OSODP(target_epsilon=50.0, target_delta=1e-4)

@@ -1,6 +1,6 @@
-"""What a DP callback logs and says: the plan when training starts, the sanitised values of every step, and the end of
-a fit (why training stopped is said by ``_budget``). Only sanitised values and the mechanism's parameters are logged
-under ``dp/``; the opt-in ``nonprivate/*`` diagnostics come from the strategy (docs/algorithms.md, "What is
+"""What a DP callback logs and says: the plan when training starts, the sanitised values of the steps it logs, and
+the end of a fit (why training stopped is said by ``_budget``). Only sanitised values and the mechanism's parameters
+are logged under ``dp/``; the opt-in ``nonprivate/*`` diagnostics come from the strategy (docs/algorithms.md, "What is
 private").
 """
 
@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_oso import _compat
 from lightning_oso.callbacks._planner import TrainerPlan
 from lightning_oso.clipping import ClippingRule
 
@@ -77,6 +78,20 @@ def warn_debug_run(trainer: Trainer, name: str, noise: float, requested: bool, s
     )
 
 
+def logs_step(trainer: Trainer, budget_spent: bool) -> bool:
+    """Whether this step's values are logged: on the steps the loggers record (``log_every_n_steps``,
+    Lightning's ``LearningRateMonitor`` keeps the same cadence), on the last batch of each epoch (so that
+    ``trainer.callback_metrics`` holds them after a fit shorter than the cadence), on the last step of ``max_steps``
+    and on the step the budget stops on (``budget_spent``).
+
+    Between those steps no logger records a value, and a ``self.log`` costs about half a millisecond of the host's
+    time per call (Lightning walks its collection of logged results each time): several calls a step took more time
+    than OSO's own work on a small model, and on an accelerator the host's time is the step's. ``dp/epsilon`` costs
+    an accountant evaluation besides."""
+    last_step = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+    return _compat.logs_this_step(trainer) or budget_spent or trainer.is_last_batch or last_step
+
+
 def log_step(
     pl_module: LightningModule,
     trainer: Trainer,
@@ -84,9 +99,9 @@ def log_step(
     epsilon: Callable[[], float] | None,
     diagnostics: Mapping[str, Tensor] | None,
 ) -> None:
-    """Every step: ``dp/clip`` (``C_t``), ``dp/lr`` (the first parameter group's learning rate) and the rule's own
-    sanitised values; ``dp/epsilon`` where ``epsilon`` is given (it costs an accountant evaluation); the opt-in,
-    NOT private ``nonprivate/*`` diagnostics where given."""
+    """On a step :func:`logs_step` picks: ``dp/clip`` (``C_t``), ``dp/lr`` (the first parameter group's learning
+    rate) and the rule's own sanitised values; ``dp/epsilon`` where ``epsilon`` is given; the opt-in, NOT private
+    ``nonprivate/*`` diagnostics where given."""
     pl_module.log("dp/clip", rule.clip.float(), on_step=True, on_epoch=False, batch_size=1)
     lr = trainer.optimizers[0].param_groups[0]["lr"]
     pl_module.log("dp/lr", torch.as_tensor(lr).float(), on_step=True, on_epoch=False, batch_size=1)

@@ -64,10 +64,11 @@ class DPCallback(Callback, abc.ABC):
     accounted per step under add/remove-one adjacency. Training stops before the step that would push epsilon over
     ``target_epsilon``.
 
-    Logged every step through Lightning (so any logger gets them): ``dp/clip`` (``C_t``), ``dp/lr`` (the first
-    parameter group's learning rate) and ``dp/epsilon`` (epsilon spent so far, at the logger's cadence,
-    ``log_every_n_steps``); once, at the start: ``dp/sample_rate`` and the rule's noise multipliers
-    (``dp/noise_multiplier``, ``dp/gradient_noise_multiplier``, ...).
+    Logged through Lightning's ``self.log`` (so any logger, and ``trainer.callback_metrics``, gets them) on the steps
+    the loggers record (``log_every_n_steps``), at the end of each epoch, on the last step of ``max_steps`` and on the
+    step the budget stops on: ``dp/clip`` (``C_t``), ``dp/lr`` (the first parameter group's learning rate), the
+    rule's own sanitised values and ``dp/epsilon`` (epsilon spent so far); once, at the start: ``dp/sample_rate`` and
+    the rule's noise multipliers (``dp/noise_multiplier``, ``dp/gradient_noise_multiplier``, ...).
 
     The callback plans, the strategy runs the plan: it is handed a :class:`~lightning_oso.strategies.PrivacyPlan` when
     the fit starts and, with the clipping rule, when training starts, and records each released step in the plan's
@@ -299,10 +300,9 @@ class DPCallback(Callback, abc.ABC):
         # the step was charged when it was released (the strategy's record in the plan's ledger)
         if self.rule is None:
             raise RuntimeError(f"{type(self).__name__}: no clipping rule before training starts")
-        # epsilon costs an accountant evaluation: computed when a logger will record it
-        epsilon = (lambda: self.epsilon) if _compat.logs_this_step(trainer) or self._budget.spent() else None
-        diagnostics = self._training.diagnostics if self.log_nonprivate_diagnostics else None
-        _reporting.log_step(pl_module, trainer, self.rule, epsilon, diagnostics)
+        if _reporting.logs_step(trainer, self._budget.spent()):
+            diagnostics = self._training.diagnostics if self.log_nonprivate_diagnostics else None
+            _reporting.log_step(pl_module, trainer, self.rule, lambda: self.epsilon, diagnostics)
         self._budget.after_step(trainer, lambda: self.epsilon)
 
     @override

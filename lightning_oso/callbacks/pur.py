@@ -29,7 +29,7 @@ class PURDP(DPCallback):
     ``L``-Lipschitz nothing is clipped; where it is not, the clipping keeps the sensitivity ``2L/N``. Epsilon is
     reported under replace-one adjacency, as in the paper (it also bounds add/remove; the paper reports
     ``delta = 1/N``). ``dp/noise_std``
-    (``sigma_t``) is logged every step, with ``dp/epsilon``.
+    (``sigma_t``) is logged with ``dp/clip`` and ``dp/epsilon``.
 
     Args:
         schedule: a :class:`~lightning_oso.schedules.PURSchedule` (e.g. ``schedules.logistic_schedule(...)``).
