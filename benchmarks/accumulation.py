@@ -34,20 +34,26 @@ from lightning_oso import OSODP
 
 
 class _OptimizerStepTimer(L.Callback):
-    """Wall time from the first micro-batch of a logical batch to the end of its optimizer step."""
+    """Wall time of a logical batch, from the start of its first micro-batch to the start of the next logical batch's
+    (the last one's to the end of training): its optimizer step and what the callbacks do after it included."""
 
     def __init__(self, device: str, k: int) -> None:
-        self.device, self.k, self.times = device, k, []
+        self.device, self.k, self.times, self._start = device, k, [], None
+
+    def _lap(self) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        if self._start is not None:
+            self.times.append(now - self._start)
+        self._start = now
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % self.k == 0:
-            _sync(self.device)
-            self._start = time.perf_counter()
+            self._lap()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % self.k == 0:
-            _sync(self.device)
-            self.times.append(time.perf_counter() - self._start)
+    def on_train_end(self, trainer, pl_module):
+        self._lap()
+        self._start = None
 
 
 def train(model_name: str, mode: str, logical_batch: int, k: int, steps: int, device: str) -> list[float]:

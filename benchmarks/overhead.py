@@ -410,16 +410,27 @@ class _Module(L.LightningModule):
 
 
 class _StepTimer(L.Callback):
+    """Wall time of each step, from one batch's start to the next's (the last step's to the end of training): all the
+    trainer does for a step, with what the callbacks after this one do at its end (a DP callback's logging and budget
+    check, Lightning's logger update) and the loading of the next batch. Timing to this callback's own
+    ``on_train_batch_end`` would leave out the callbacks that run after it."""
+
     def __init__(self, device: str) -> None:
-        self.device, self.times = device, []
+        self.device, self.times, self._start = device, [], None
+
+    def _lap(self) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        if self._start is not None:
+            self.times.append(now - self._start)
+        self._start = now
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        _sync(self.device)
-        self._start = time.perf_counter()
+        self._lap()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        _sync(self.device)
-        self.times.append(time.perf_counter() - self._start)
+    def on_train_end(self, trainer, pl_module):
+        self._lap()
+        self._start = None
 
 
 class _Floor(L.Callback):
