@@ -348,3 +348,30 @@ def test_per_sample_state_is_that_of_a_micro_batch(monkeypatch):
     assert len(rows) == 8
     assert all(r <= -(-m // 4) for t, m in enumerate(logical) for r in rows[4 * t : 4 * t + 4])
     assert max(logical) > max(rows)
+
+
+def test_the_raw_sums_are_freed_before_the_gradients_are_written(monkeypatch):
+    """The step's clipped sums (a model-sized buffer per released row) are dropped once released: when the float32
+    gradients are written, at the step's memory peak, none of them is alive."""
+    import weakref
+
+    from lightning_oso.strategies import private_training
+
+    alive_at_write = []
+    sums = []
+    original_release, original_write = private_training.release, private_training.write_gradients
+
+    def release(clipped, *args, **kwargs):
+        sums.append([weakref.ref(s) for s in clipped.sums])
+        return original_release(clipped, *args, **kwargs)
+
+    def write_gradients(params, gradients):
+        alive_at_write.append(sum(ref() is not None for ref in sums[-1]))
+        original_write(params, gradients)
+
+    monkeypatch.setattr(private_training, "release", release)
+    monkeypatch.setattr(private_training, "write_gradients", write_gradients)
+    dp = OSODP(target_epsilon=50.0, target_delta=1e-3, noise_multiplier=1.0, seed=0)
+    make_trainer([dp], max_steps=3).fit(ToyModel(), toy_loader())
+    assert len(sums) == 3 and all(len(refs) == 4 for refs in sums)  # the MLP's two weights and two biases
+    assert alive_at_write == [0, 0, 0]

@@ -341,6 +341,7 @@ class PrivateTraining(_StrategyBase):
         with norm_bounds.exact_float32_products(self.root_device):  # sums and noise in float32 or better
             wiring = self.process_release.wiring(self._record_step if plan.ledger is not None else None)
             released = release(clipped, self.rule, self.expected_batch_size, wiring)
+        del clipped  # the raw sums, freed before the gradients are written: one model-sized buffer less at the peak
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here, and always as copies: a user's
         # hook, gradient clipping or the optimizer may edit p.grad, while the rule keeps the released values
