@@ -36,10 +36,15 @@ bfloat16), through ``Trainer(precision=...)`` for ours and the same by hand for 
 setting (Opacus' ghost clipping on GPT-2, a bfloat16 setting a library does not handle) is recorded as "not
 supported" with the error, and the run goes on.
 
-A step is forward, backward, the private step and the optimizer update; data loading is not timed. Ratios are to
-the non-private step of the same model, batch size, precision and framework (Lightning for ours, PyTorch for
-Opacus'); the absolute milliseconds compare across frameworks. Peak memory: on CPU the peak RSS growth during the
-steps, each variant in a fresh subprocess (RSS is per process); on CUDA the peak allocated memory, in-process.
+A step is timed from one batch's start to the next's: forward, backward, the private step, the optimizer update,
+what the callbacks do after it (a DP callback's logging and budget check) and the loading of the next batch. Ratios
+are to the non-private step of the same model, batch size, precision and framework (Lightning for ours, PyTorch for
+Opacus'); the absolute milliseconds compare across frameworks. Peak memory: on CUDA the peak allocated memory,
+in-process; on CPU, each variant in a fresh subprocess, the peak of the bytes the C allocator has handed out and not
+taken back (glibc's ``mallinfo2``, read after every torch operator: tensors, Python objects, numba's buffers), the
+CPU's counterpart of CUDA's figure (MKL's cache of product buffers switched off, as CUDA's figure leaves its
+allocator's cache out), and beside it the peak resident memory (RSS), which also counts the pages the allocator keeps
+after a free and the kernels oneDNN compiles, and moves by +-20% between runs of the same step.
 The overhead goals (``_goals``: OSO within 1.10x of fixed clipping, within 1.3x of non-private or 1.15x of the floor,
 peak memory within 1.3x, faster than Opacus' ghost clipping) are checked on the interleaved run and listed in the
 report.
@@ -57,6 +62,8 @@ Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default ``benchmarks/resu
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import logging
 import os
@@ -75,6 +82,7 @@ import torch
 from opacus.layers import DPMultiheadAttention
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -600,9 +608,11 @@ def not_supported(error: BaseException) -> str:
 
 def peak_memory_mb(
     variant: str, model_name: str, batch_size: int, steps: int, device: str, precision: str = "32-true"
-) -> float | None:
-    """Peak memory growth while training (MB): CUDA peak allocated in-process, or a fresh process's RSS peak above
-    its RSS after set-up (ru_maxrss is a per-process high-water mark). ``None`` if the run failed (it is printed)."""
+) -> tuple[float, float | None] | None:
+    """Peak memory growth while training (MB): ``(allocated, rss)``. On CUDA the peak allocated memory in-process
+    (``rss`` is ``None``); on a CPU, in a fresh process, the peak of the bytes the C allocator has handed out
+    (:class:`AllocatedPeak`) and of the resident memory, each above its value after a set-up run. ``None`` if the run
+    failed (it is printed)."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -612,27 +622,77 @@ def peak_memory_mb(
         except Exception as error:  # e.g. out of memory: the other variants' figures stand
             print(f"memory of {variant} {model_name} B={batch_size} {precision}: {not_supported(error)}", flush=True)
             return None
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
+        return (torch.cuda.max_memory_allocated() - base) / 2**20, None
     out = subprocess.run(
         [sys.executable, __file__, "--_memory-probe", variant, model_name, str(batch_size), str(steps), precision],
         capture_output=True,
         text=True,
+        env={**os.environ, **_PROBE_ENVIRONMENT},
     )
     if out.returncode != 0:
         print(f"memory of {variant} {model_name} B={batch_size} {precision} failed:\n{out.stderr[-2000:]}", flush=True)
         return None
-    return float(out.stdout.strip().splitlines()[-1])
+    allocated, rss = out.stdout.strip().splitlines()[-1].split()
+    return float(allocated), float(rss)
+
+
+#: The CPU memory probe's environment: MKL's memory manager off. It keeps the buffers of the matrix products it has
+#: met, per shape and thread (10-25 MB more in a probe of the MLP, and more where more shapes are met, as a private
+#: step's per-record products are): like the blocks CUDA's caching allocator keeps, which CUDA's allocated memory
+#: leaves out, they are a library's cache, not what the step holds, and they made the figure of one variant move by
+#: 5 MB from run to run.
+_PROBE_ENVIRONMENT = {"MKL_DISABLE_FAST_MM": "1"}
+
+
+#: glibc's ``struct mallinfo2``, ten ``size_t`` in this order.
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
+
+
+def allocated_bytes() -> int:
+    """The bytes glibc's allocator has handed out and not taken back, over all its arenas: in use in its heaps
+    (``uordblks``) plus its blocks of their own pages (``hblkhd``, large allocations such as a tensor's storage)."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class AllocatedPeak(TorchDispatchMode):
+    """The peak of :func:`allocated_bytes` while the mode is on, read after every torch operator (the peak at
+    an operator's end: the temporaries an operator frees before it returns are not seen), above its value when
+    the mode was entered (``growth``). On a CPU it is what CUDA's peak allocated memory is on a GPU: what the
+    program holds, whatever pages the allocator keeps after a free."""
+
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = allocated_bytes()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, allocated_bytes())
+        return out
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
 
 
 def _memory_probe(variant: str, model_name: str, batch_size: int, steps: int, precision: str) -> None:
     torch.set_num_threads(1)
     # set-up without training: imports, model, data, a Trainer; what remains is the training's own memory
     run(variant, model_name, batch_size, 0, "cpu", precision)
+    gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # Linux >= 4.0: reset the peak RSS (VmHWM) to the current RSS
     base = _status_mb("VmRSS")
-    run(variant, model_name, batch_size, steps, "cpu", precision)
-    print(max(_status_mb("VmHWM") - base, 0.0))
+    with AllocatedPeak() as allocated:
+        run(variant, model_name, batch_size, steps, "cpu", precision)
+    print(allocated.growth / 2**20, max(_status_mb("VmHWM") - base, 0.0))
 
 
 def _status_mb(field: str) -> float:
@@ -659,18 +719,25 @@ def write_report(result: dict, out: Path) -> None:
         "in the same framework (Lightning for ours, plain PyTorch for Opacus). `floor`: the non-private step plus the "
         "per-sample gradient norms and one Gaussian draw of the parameters' size, the least a private step costs. "
         "Memory: peak growth while training "
-        f"({'CUDA peak allocated' if result['device'].startswith('cuda') else 'CPU RSS, one process per variant'}).",
+        + (
+            "(CUDA peak allocated)."
+            if result["device"].startswith("cuda")
+            else "(one process per variant: the bytes the C allocator had handed out, read after every operator, "
+            "and the resident memory, RSS)."
+        ),
         "",
         *[f"Command: `{c}`" for c in result.get("commands") or [result.get("command")] if c],
         "",
-        "| model | batch | variant | precision | step (ms) | time ratio | memory (MB) | memory ratio |",
-        "|---|---:|---|---|---:|---:|---:|---:|",
+        "| model | batch | variant | precision | step (ms) | time ratio | memory (MB) | memory ratio | RSS (MB) "
+        "| RSS ratio |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         step = row["not_supported"].replace("|", "\\|") if row.get("not_supported") else _cell(row["median_ms"], 2)
         lines.append(
             f"| {row['model']} | {row['batch_size']} | {row['variant']} | {row.get('precision', '32-true')} | {step} | "
-            f"{_cell(row['time_ratio'], 2)} | {_cell(row.get('memory_mb'), 0)} | {_cell(row.get('memory_ratio'), 2)} |"
+            f"{_cell(row['time_ratio'], 2)} | {_cell(row.get('memory_mb'), 0)} | {_cell(row.get('memory_ratio'), 2)} "
+            f"| {_cell(row.get('rss_mb'), 0)} | {_cell(row.get('rss_ratio'), 2)} |"
         )
     lines += ["", "## Goals", ""]
     for goal in result["goals"]:
@@ -833,9 +900,11 @@ def _rows_of(key: tuple, times: dict, failed: dict, memory: dict, verbose: bool 
             steps_timed=len(times[(m, b, p, v)]),
         )
         if memory:
-            row["memory_mb"] = memory[v]
-            base_mb = memory.get(base)
-            row["memory_ratio"] = memory[v] / base_mb if memory[v] is not None and base_mb else None
+            mine, theirs = memory[v], memory.get(base)
+            row["memory_mb"] = mine[0] if mine else None
+            row["memory_ratio"] = mine[0] / theirs[0] if mine and theirs and theirs[0] else None
+            row["rss_mb"] = mine[1] if mine else None
+            row["rss_ratio"] = mine[1] / theirs[1] if mine and theirs and mine[1] is not None and theirs[1] else None
         rows.append(row)
         if verbose:
             print(
@@ -952,7 +1021,7 @@ def main() -> None:
     rows = []
     for m, b, p in keys:
         ran = [v for v in variants_of(m) if (m, b, p, v) in times and (m, b, p, v) not in failed]
-        memory: dict[str, float | None] = {}
+        memory: dict[str, tuple[float, float | None] | None] = {}
         if not args.no_memory:
             memory = {v: peak_memory_mb(v, m, b, 8, args.device, p) for v in ran}
         rows += _rows_of((m, b, p), times, failed, memory, verbose=True)

@@ -247,7 +247,8 @@ def test_overhead_benchmark_smallest_setting(tmp_path):
             else:
                 row.update(median_ms=1e3 * times[v][1], time_ratio=times[v][1] / times[base][1])
             rows.append(row)
-    assert overhead.peak_memory_mb("oso", "mlp", 8, 2, "cpu") >= 0
+    allocated, rss = overhead.peak_memory_mb("oso", "mlp", 8, 2, "cpu")
+    assert allocated > 0.5 and rss >= 0  # at least the MLP's 670k float32 parameters (2.6 MB) and their sums
     result = {
         "device": "cpu",
         "machine": "test",
@@ -268,6 +269,23 @@ def test_overhead_benchmark_smallest_setting(tmp_path):
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"]
     assert "| transformer | 8 | oso |" in (tmp_path / "overhead.md").read_text()
     assert (tmp_path / "overhead.png").stat().st_size > 10_000
+
+
+def test_the_cpu_memory_probe_sees_a_tensor_freed_before_the_end():
+    """The CPU's peak allocated memory (the overhead benchmark's memory column): a 40 MB tensor made and freed inside
+    the probe is its peak, though nothing of it is left at the end; one made before the probe is not counted."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import overhead
+
+    before = torch.ones(5_000_000, dtype=torch.float64)
+    with overhead.AllocatedPeak() as probe:
+        made = torch.ones(10_000_000, dtype=torch.float32)  # 40 MB
+        total = made.sum()
+        del made
+        small = torch.ones(10) * total
+    assert 40e6 <= probe.growth < 41e6
+    assert overhead.allocated_bytes() - probe.base < 1e6  # freed: the peak is not what is left
+    assert small.numel() == 10 and before.numel() == 5_000_000
 
 
 def test_step_profile_counts_the_operators_called_in_each_region():
