@@ -34,26 +34,19 @@ from lightning_oso import OSODP
 
 
 class _OptimizerStepTimer(L.Callback):
-    """Wall time of a logical batch, from the start of its first micro-batch to the start of the next logical batch's
-    (the last one's to the end of training): its optimizer step and what the callbacks do after it included."""
+    """Wall time of a logical batch, from the start of its first micro-batch to the start of the next logical batch's:
+    its optimizer step and what the callbacks do after it included. A fit of ``n + 1`` logical batches times ``n``."""
 
     def __init__(self, device: str, k: int) -> None:
         self.device, self.k, self.times, self._start = device, k, [], None
 
-    def _lap(self) -> None:
-        _sync(self.device)
-        now = time.perf_counter()
-        if self._start is not None:
-            self.times.append(now - self._start)
-        self._start = now
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % self.k == 0:
-            self._lap()
-
-    def on_train_end(self, trainer, pl_module):
-        self._lap()
-        self._start = None
+            _sync(self.device)
+            now = time.perf_counter()
+            if self._start is not None:
+                self.times.append(now - self._start)
+            self._start = now
 
 
 def train(model_name: str, mode: str, logical_batch: int, k: int, steps: int, device: str) -> list[float]:
@@ -62,7 +55,9 @@ def train(model_name: str, mode: str, logical_batch: int, k: int, steps: int, de
     timer = _OptimizerStepTimer(device, k)
     dp = OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0, grad_sample_mode=mode, seed=0)
     loader = DataLoader(synthetic_data(model_cls, 20 * logical_batch), batch_size=logical_batch // k)
-    fit_quietly(_Module(model_cls()), loader, device, callbacks=[timer, dp], max_steps=steps, accumulate_grad_batches=k)
+    # one logical batch more than timed: the last one ends with the end of training
+    trainer_args = dict(max_steps=steps + 1, accumulate_grad_batches=k)
+    fit_quietly(_Module(model_cls()), loader, device, callbacks=[timer, dp], **trainer_args)
     return timer.times
 
 

@@ -418,27 +418,21 @@ class _Module(L.LightningModule):
 
 
 class _StepTimer(L.Callback):
-    """Wall time of each step, from one batch's start to the next's (the last step's to the end of training): all the
-    trainer does for a step, with what the callbacks after this one do at its end (a DP callback's logging and budget
-    check, Lightning's logger update) and the loading of the next batch. Timing to this callback's own
-    ``on_train_batch_end`` would leave out the callbacks that run after it."""
+    """Wall time of each step, from one batch's start to the next's: all the trainer does for a step, with what the
+    callbacks after this one do at its end (a DP callback's logging and budget check, Lightning's logger update) and
+    the loading of the next batch. Timing to this callback's own ``on_train_batch_end`` would leave out the callbacks
+    that run after it. A fit of ``n + 1`` steps times ``n``: the last step, which ends with the end of training (a DP
+    callback logs it, with an accountant evaluation, and reports the run), is not timed."""
 
     def __init__(self, device: str) -> None:
         self.device, self.times, self._start = device, [], None
 
-    def _lap(self) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _sync(self.device)
         now = time.perf_counter()
         if self._start is not None:
             self.times.append(now - self._start)
         self._start = now
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._lap()
-
-    def on_train_end(self, trainer, pl_module):
-        self._lap()
-        self._start = None
 
 
 class _Floor(L.Callback):
@@ -496,7 +490,8 @@ def run_lightning(
     if variant == "non_private_poisson":  # the batches a DP callback would draw, without the private step
         loader = poisson_loader(loader, seed=0)
     module = _Module(model_cls(), loss_of(model_cls))
-    fit_quietly(module, loader, device, callbacks=callbacks, max_steps=steps, precision=precision)
+    # one step more than timed (_StepTimer): the last one ends with the end of training
+    fit_quietly(module, loader, device, callbacks=callbacks, max_steps=steps + 1 if steps else 0, precision=precision)
     return timer.times
 
 

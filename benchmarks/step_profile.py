@@ -86,47 +86,75 @@ class _Labelled(_Module):
             super().backward(loss, *args, **kwargs)
 
 
-class _Profile(L.Callback):
-    """``torch.profiler`` over the steps after the warm-up (the device's kernels too on CUDA)."""
+class _Window(L.Callback):
+    """Something switched on over the timed steps: from the first step after the warm-up to the start of the untimed
+    last step (``_StepTimer``: a fit of ``steps + 1`` steps times ``steps``), whose end is the end of training."""
 
-    def __init__(self, device: str) -> None:
-        self.step, self.profiler, self.device = 0, None, device
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.step += 1
-        if self.step == WARMUP + 1:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.startswith("cuda"):
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
-
-    def on_train_end(self, trainer, pl_module):
-        if self.profiler is not None:
-            if self.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            self.profiler.__exit__(None, None, None)
-
-
-class _SyncCount(L.Callback):
-    """The host synchronisations of the steps after the warm-up, with the source lines that cause them: CUDA's sync
-    debug mode warns at each one (``torch.cuda.set_sync_debug_mode("warn")``), and the warnings are recorded."""
-
-    def __init__(self) -> None:
-        self.step, self.records, self._catch = 0, [], None
+    def __init__(self, steps: int) -> None:
+        self.step, self.steps, self.on = 0, steps, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step += 1
         if self.step == WARMUP + 1:
-            self._catch = warnings.catch_warnings(record=True)
-            self.records = self._catch.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            self.on = True
+            self.start()
+        elif self.step == self.steps + 1:
+            self._stop()
 
     def on_train_end(self, trainer, pl_module):
-        if self._catch is not None:
-            torch.cuda.set_sync_debug_mode("default")
-            self._catch.__exit__(None, None, None)
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.on:
+            self.on = False
+            self.stop()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class _Profile(_Window):
+    """``torch.profiler`` over the timed steps (the device's kernels too on CUDA)."""
+
+    def __init__(self, device: str, steps: int) -> None:
+        super().__init__(steps)
+        self.profiler, self.device = None, device
+
+    def start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+
+    def stop(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        assert self.profiler is not None
+        self.profiler.__exit__(None, None, None)
+
+
+class _SyncCount(_Window):
+    """The host synchronisations of the timed steps, with the source lines that cause them: CUDA's sync debug mode
+    warns at each one (``torch.cuda.set_sync_debug_mode("warn")``), and the warnings are recorded."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.records, self._catch = [], None
+
+    def start(self) -> None:
+        self._catch = warnings.catch_warnings(record=True)
+        self.records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        assert self._catch is not None
+        self._catch.__exit__(None, None, None)
 
     def per_step(self, timed: int) -> tuple[float, list[tuple[str, float]]]:
         """Synchronisations per step, and the five source lines with the most (per step)."""
@@ -142,7 +170,8 @@ def _fit(model_name: str, batch_size: int, variant: str, steps: int, device: str
         callbacks = [*callbacks, OSODP(target_epsilon=1e4, target_delta=1e-5, noise_multiplier=1.0)]
     loader = DataLoader(synthetic_data(model_cls, 50 * batch_size), batch_size=batch_size, shuffle=True)
     module = _Labelled(model_cls(), loss_of(model_cls))
-    fit_quietly(module, loader, device, callbacks=callbacks, max_steps=steps, precision=precision)
+    # one step more than timed (_StepTimer): the last one ends with the end of training
+    fit_quietly(module, loader, device, callbacks=callbacks, max_steps=steps + 1, precision=precision)
 
 
 def profile(
@@ -157,7 +186,7 @@ def profile(
     """Milliseconds per step in each region, for one model, batch size and variant (on CUDA also the kernel time and
     the host synchronisations per step). With ``tables``, the profiler's operator tables (by host time, and on CUDA
     by kernel time) are appended to that file."""
-    timer, prof = _StepTimer(device), _Profile(device)
+    timer, prof = _StepTimer(device), _Profile(device, steps)
     _fit(model_name, batch_size, variant, steps, device, precision, [timer, prof])
     timed = steps - WARMUP
     assert prof.profiler is not None, f"no step after the {WARMUP} warm-up steps: raise --steps"
@@ -187,7 +216,7 @@ def profile(
         host = {e.key for e in host_events}
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in host]
         row["device ms"] = sum(e.self_device_time_total for e in kernels) / 1e3 / timed
-        counter = _SyncCount()
+        counter = _SyncCount(WARMUP + 3)
         _fit(model_name, batch_size, variant, WARMUP + 3, device, precision, [counter])
         row["syncs"], row["sync sources"] = counter.per_step(3)
     return row

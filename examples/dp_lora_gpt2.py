@@ -195,25 +195,18 @@ class LoRAFineTuning(L.LightningModule):
 
 
 class StepTimer(L.Callback):
-    """Wall time of each training step (forward, backward, the private step, the update and what the callbacks do
-    after it), from one batch's start to the next's, the last step's to the end of training."""
+    """Wall time of each training step but the last (forward, backward, the private step, the update and what the
+    callbacks do after it), from one batch's start to the next's."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self._start: float | None = None
 
-    def _lap(self) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         now = time.perf_counter()
         if self._start is not None:
             self.times.append(now - self._start)
         self._start = now
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._lap()
-
-    def on_train_end(self, trainer, pl_module):
-        self._lap()
-        self._start = None
 
 
 def with_lora(base: nn.Module, rank: int, targets: list[str] = LORA_TARGETS) -> peft.PeftModel:
