@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import logging
@@ -650,10 +651,20 @@ class _MallInfo2(ctypes.Structure):
 def allocated_bytes() -> int:
     """The bytes glibc's allocator has handed out and not taken back, over all its arenas: in use in its heaps
     (``uordblks``) plus its blocks of their own pages (``hblkhd``, large allocations such as a tensor's storage)."""
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    info = _mallinfo2()
     return int(info.uordblks + info.hblkhd)
+
+
+@functools.cache
+def _mallinfo2_function():
+    """glibc's ``mallinfo2``, loaded once: :func:`allocated_bytes` is read after every operator of a probe."""
+    function = ctypes.CDLL(None).mallinfo2
+    function.restype = _MallInfo2
+    return function
+
+
+def _mallinfo2() -> _MallInfo2:
+    return _mallinfo2_function()()
 
 
 class AllocatedPeak(TorchDispatchMode):
