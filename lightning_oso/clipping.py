@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_oso.step import DeferredQuery, SanitisedStep, flat_dot
+from lightning_oso.step import DeferredQuery, SanitisedStep, flat_dot, laid_end_to_end
 from lightning_oso.validation import CLIP_RANGE, check_clip, check_number, check_open_interval, check_positive
 
 # The rules' defaults, written once: the rules' constructors and the DP callbacks' signatures refer to these.
@@ -427,10 +427,11 @@ class OSOClipping(ClippingRule):
             lr_sign = torch.sign(flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
             self.clip = _kept_in_range(self.clip * torch.exp(self.clip_lr * clip_sign))  # Eq. 20
             lr_factor = torch.exp(self.lr_lr * lr_sign)
-        # the release's own tensors, which nothing edits: the strategy writes copies of them into p.grad (made by the
-        # release, they carry no autograd history: detached only if one does)
-        self.prev_gradient = [g.detach() if g.requires_grad else g for g in gradient]
-        self._prev_direction = direction
+        # the previous step's vectors are let go before this step's are kept (the direction row copied out of the
+        # step's sums, DeferredQuery.keep): a step's peak holds one step's vectors besides its sums, not two
+        self.prev_gradient = self._prev_direction = None
+        self.prev_gradient = kept_gradient(gradient)
+        self._prev_direction = direction.keep()
         return lr_factor
 
     def _read_direction(self, gradient: Sequence[Tensor]) -> Tensor:
@@ -467,6 +468,24 @@ class OSOClipping(ClippingRule):
         self._prev_direction = (
             None if state["prev_direction"] is None else [t.to(device) for t in state["prev_direction"]]
         )
+
+
+def kept_gradient(gradient: Sequence[Tensor]) -> list[Tensor]:
+    """``g~_t`` as OSO keeps it until the next step: rounded to float32, saturating at float32's largest finite value,
+    one copy of the vector laid end to end (a view of it per parameter).
+
+    Its one use is the sign of ``g~_{t+1} . g~_t`` (Eq. 21), taken in float64: rounding each coordinate moves that
+    product by at most ``2^-24 ||g~_{t+1}|| ||g~_t||`` (plus ``2^-150 ||g~_{t+1}||_1`` where a coordinate falls below
+    float32's normal range), so it can change the sign only where the two gradients are orthogonal to within a
+    cosine of ``2^-24``, as the paper's float32 arithmetic would. Saturating, a coordinate beyond float32's range
+    moves the product by less than the coordinate itself and never makes it NaN. Half the memory of the release's
+    float64 values, which were alive at the peak of the next step's release (DeferredQuery.keep)."""
+    flat = laid_end_to_end(gradient)
+    if flat is None:
+        flat = torch.cat([g.detach().reshape(-1) for g in gradient]) if gradient else torch.zeros(0)
+    largest = torch.finfo(torch.float32).max
+    kept = flat.detach().to(torch.float32, copy=True).clamp_(-largest, largest)
+    return [part.view(g.shape) for part, g in zip(kept.split([g.numel() for g in gradient]), gradient)]
 
 
 class ScheduledNoiseClipping(ClippingRule):

@@ -114,7 +114,10 @@ class DeferredQuery:
 
     The query keeps its own copy of its row, laid end to end (``sums`` are views of the step's sums, whose other rows
     it would otherwise keep alive until the next step), and takes the inner product over that one vector: a few
-    operations, not a few per parameter.
+    operations, not a few per parameter. The copy is made by :meth:`keep`, or when the query is first read: a rule
+    that keeps the query until the next step reads its previous one first and lets it go, so the two rows are never
+    alive together with the step's sums (OSO's peak memory, ``OSOClipping.update``). Until then the query reads the
+    step's sums, which nothing edits.
     """
 
     def __init__(
@@ -126,9 +129,10 @@ class DeferredQuery:
         expected_batch_size: float,
         materialise_noise: AddNoise,
     ) -> None:
-        # the raw S, float32 or wider, un-noised, never returned: one flat copy of the row, and per parameter a
-        # [1, *shape] view of it (for the materialised q~, one tensor per parameter)
-        self._flat = torch.cat([s.reshape(-1) for s in sums]) if sums else torch.zeros(0)
+        # the raw S, float32 or wider, un-noised, never returned: the step's views of it until keep() makes one flat
+        # copy of the row (per parameter a [1, *shape] view of it, for the materialised q~)
+        self._row: list[Tensor] | None = list(sums)
+        self._flat_row: Tensor | None = None
         self._shapes = [s.shape for s in sums]
         self._noise = noise  # gamma Z: the release of 0 on the scalar's grid (a 0-dim float64 tensor)
         self._scalar_std = scalar_std  # the std of that release (it fixes the grid)
@@ -136,6 +140,22 @@ class DeferredQuery:
         self._expected_batch_size = expected_batch_size
         self._materialise_noise = materialise_noise
         self._spent = False
+
+    def keep(self) -> DeferredQuery:
+        """Copy the row out of the step's sums (one flat copy), so that the query no longer holds them; returns the
+        query. A query read without it makes the copy then."""
+        if self._flat_row is None:
+            row = self._row or []
+            self._flat_row = torch.cat([s.reshape(-1) for s in row]) if row else torch.zeros(0)
+            self._row = None
+        return self
+
+    @property
+    def _flat(self) -> Tensor:
+        """The row, laid end to end (copied on first use)."""
+        self.keep()
+        assert self._flat_row is not None
+        return self._flat_row
 
     def _spend(self, what: str) -> None:
         if self._spent:
@@ -175,7 +195,7 @@ class DeferredQuery:
         return [part.view(shape) for part, shape in zip(parts, self._shapes)]
 
     def to(self, device: torch.device) -> DeferredQuery:
-        self._flat = self._flat.to(device)
+        self._flat_row = self._flat.to(device)
         self._noise, self._scalar_std = self._noise.to(device), self._scalar_std.to(device)
         self._vector_std = self._vector_std.to(device)
         return self
@@ -500,8 +520,12 @@ def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     per-parameter views of its one flat vector, ``add_gaussian_noise``), one dot product over the buffers replaces a
     dot product per parameter."""
     flat_a, flat_b = laid_end_to_end(a), laid_end_to_end(b)
-    if flat_a is not None and flat_b is not None and flat_a.dtype == flat_b.dtype and flat_a.shape == flat_b.shape:
-        return torch.dot(flat_a, flat_b)
+    if flat_a is not None and flat_b is not None and flat_a.shape == flat_b.shape:
+        if flat_a.dtype == flat_b.dtype:
+            return torch.dot(flat_a, flat_b)
+        if torch.float64 in (flat_a.dtype, flat_b.dtype):  # a released vector and a narrower one (OSO's g~_{t-1})
+            wide, narrow = (flat_a, flat_b) if flat_a.dtype == torch.float64 else (flat_b, flat_a)
+            return dot_in_float64(wide, narrow)
     products = []
     for x, y in zip(a, b):
         dtype = torch.promote_types(x.dtype, y.dtype)  # released values are float64; a caller's may be narrower
@@ -509,20 +533,22 @@ def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     return torch.stack(products).sum()
 
 
-#: The most coordinates :func:`dot_in_float64` converts to float64 at once (2 MB): a converted copy of a whole model
-#: would be fresh pages at every step.
-FLOAT64_CHUNK = 1 << 18
+#: The most coordinates :func:`dot_in_float64` converts to float64 at once (1 MB): a converted copy of a whole model
+#: would be fresh pages at every step, and a model-sized temporary at OSO's memory peak.
+FLOAT64_CHUNK = 1 << 17
 
 
 def dot_in_float64(a: Tensor, b: Tensor) -> Tensor:
     """``a . b`` for a flat float64 ``a`` and a flat ``b`` of any float dtype, in float64 (``b`` converted exactly, a
-    chunk of :data:`FLOAT64_CHUNK` at a time), as a 0-dim tensor."""
+    chunk of :data:`FLOAT64_CHUNK` at a time into one reused buffer), as a 0-dim tensor."""
     if b.dtype == torch.float64 or b.numel() <= FLOAT64_CHUNK:
         return torch.dot(a, b.to(torch.float64))
-    parts = [
-        torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))
-        for i in range(0, b.numel(), FLOAT64_CHUNK)
-    ]
+    buffer = torch.empty(FLOAT64_CHUNK, dtype=torch.float64, device=b.device)
+    parts = []
+    for i in range(0, b.numel(), FLOAT64_CHUNK):
+        chunk = buffer[: min(FLOAT64_CHUNK, b.numel() - i)]
+        chunk.copy_(b[i : i + FLOAT64_CHUNK])
+        parts.append(torch.dot(a[i : i + FLOAT64_CHUNK], chunk))
     return torch.stack(parts).sum()
 
 

@@ -94,9 +94,10 @@ def test_every_cpu_precision_trains_with_float32_sums(precision, mode):
     for p, p0 in zip(model.parameters(), before):
         assert p.dtype == expected
         assert bool(torch.isfinite(p).all()) and not torch.equal(p, p0.to(p.dtype))
-    # OSO keeps the last released queries: the exact release is float64, whatever the parameters' dtype
-    released = [*dp.rule.prev_gradient, *dp.rule.prev_direction]  # q~_{t-1} materialised, as for a checkpoint
-    assert {t.dtype for t in released} == {torch.float64}
+    # OSO keeps the last released queries: the exact release is float64, whatever the parameters' dtype; q~_{t-1}
+    # materialised, as for a checkpoint, and g~_{t-1} rounded to float32 (its one use is the sign of a product)
+    assert {t.dtype for t in dp.rule.prev_direction} == {torch.float64}
+    assert {t.dtype for t in dp.rule.prev_gradient} == {torch.float32}
 
 
 # ----------------------------------------------------------------------------------------------------- the checks

@@ -224,6 +224,73 @@ def test_flat_dot_over_the_releases_buffer_is_the_dot_product_and_looks_at_layou
     )
 
 
+def test_oso_keeps_the_last_gradient_in_float32_and_its_sign_test_is_the_float64_ones():
+    """``g~_{t-1}`` is kept rounded to float32 (``clipping.kept_gradient``), one flat copy, and read against the float64
+    ``g~_t`` in float64 (``flat_dot``, one product over the two buffers). The sign of the product is the exact one
+    wherever the cosine is above ``2^-24``: here for pairs built to have cosines ``+-2^-20`` (orthogonal up to a
+    small component). A coordinate beyond float32's range saturates: the product stays a number, where an infinity
+    would make ``inf - inf`` NaN and the learning rate NaN."""
+    from lightning_oso.clipping import kept_gradient
+
+    generator = torch.Generator().manual_seed(9)
+    shapes = [(40, 30), (30,), (10, 30)]
+    n = sum(math.prod(shape) for shape in shapes)
+    for k in range(20):
+        previous = torch.randn(n, dtype=torch.float64, generator=generator)
+        noise = torch.randn(n, dtype=torch.float64, generator=generator)
+        orthogonal = noise - (noise @ previous) / (previous @ previous) * previous
+        unit_p, unit_o = previous / previous.norm(), orthogonal / orthogonal.norm()
+        cosine = (-1) ** k * 2.0**-20
+        current = cosine * unit_p + math.sqrt(1 - cosine**2) * unit_o
+        parts = [t.view(shape) for t, shape in zip(previous.split([math.prod(s) for s in shapes]), shapes)]
+        kept = kept_gradient(parts)
+        assert [t.shape for t in kept] == [t.shape for t in parts] and {t.dtype for t in kept} == {torch.float32}
+        assert step.laid_end_to_end(kept) is not None
+        assert all(torch.equal(a, b.float()) for a, b in zip(kept, parts))  # rounded once, not edited
+        views = [t.view(shape) for t, shape in zip(current.split([math.prod(s) for s in shapes]), shapes)]
+        product = step.flat_dot(views, kept)
+        assert product.dtype == torch.float64
+        assert float(product) == pytest.approx(float(current @ kept_flat(kept)), rel=1e-12)
+        assert torch.sign(product) == torch.sign(current @ previous) == (-1) ** k
+    huge = kept_gradient([torch.tensor([1e300, -1e300, 3.0], dtype=torch.float64)])[0]
+    largest = torch.finfo(torch.float32).max
+    assert huge.tolist() == [largest, -largest, 3.0]
+    assert float(step.flat_dot([torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)], [huge])) == 0.0
+
+
+def kept_flat(kept):
+    return torch.cat([t.reshape(-1) for t in kept]).double()
+
+
+def test_oso_lets_its_previous_vectors_go_before_it_keeps_this_steps_direction(monkeypatch):
+    """A step's memory peak holds one step's vectors besides its sums: OSO's update reads ``g~_{t-1}`` and
+    ``q~_{t-1}``, lets them go, and only then copies this step's direction row out of the sums
+    (``DeferredQuery.keep``)."""
+    import weakref
+
+    seen = []
+    keep = step.DeferredQuery.keep
+    previous: list = []  # weak references to the previous step's kept vectors
+
+    def spy(query):
+        if previous and query is previous[0]():
+            return keep(query)  # the previous query read (its inner product reads the kept row)
+        seen.append([ref() is None for ref in previous])
+        return keep(query)
+
+    monkeypatch.setattr(step.DeferredQuery, "keep", spy)
+    rule = OSOClipping(noise_multiplier=1.0, initial_clip=1.0)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        source = TensorSource([torch.randn(6, 4, 3, generator=generator), torch.randn(6, 3, generator=generator)])
+        released = step.sanitise(source, rule, expected_batch_size=6.0, add_noise=step.gaussian_noise(generator))
+        assert released.deferred[0]._flat_row is None  # the release made no copy of the row
+        rule.update(released)
+        del released
+        previous = [weakref.ref(rule._prev_direction), weakref.ref(rule.prev_gradient[0])]
+    assert seen == [[], [True, True], [True, True]]
+
+
 def test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot(monkeypatch):
     """The direction query's projection ``g~ . S``: a float64 vector against the float32 raw sums, each chunk of the
     sums converted exactly, the chunks' dot products added in float64; the same inner product as one float64 dot,
@@ -240,15 +307,19 @@ def test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot(monkeypatc
 
 
 def test_a_deferred_query_keeps_its_own_row_and_reads_it_through_one_vector():
-    """The deferred query copies its row of the step's sums (so the step's other rows can be let go) into one flat
-    vector, with a per-parameter view of it for the materialised query: editing the step's sums afterwards changes
-    nothing it answers, and its inner product is ``||v|| (on_grid(u . S) + noise) / B`` over the whole vector."""
+    """Once kept, the deferred query holds its row of the step's sums (so the step's other rows can be let go) as
+    one flat copy, with a per-parameter view of it for the materialised query: editing the step's sums afterwards
+    changes nothing it answers, and its inner product is ``||v|| (on_grid(u . S) + noise) / B`` over the whole
+    vector. Until kept it makes no copy (OSO lets its previous query go first: the two copies are never alive
+    together at the step's peak)."""
     generator = torch.Generator().manual_seed(11)
     sums = [torch.randn(2, 4, 3, generator=generator), torch.randn(2, 3, generator=generator)]
     row = [s[1:2] for s in sums]
     raw = [r.clone() for r in row]
     noise, std = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     query = step.DeferredQuery(row, noise, std, std, 4.0, step.gaussian_noise(generator))
+    assert query._flat_row is None  # no copy yet: the step's sums hold the row
+    assert query.keep() is query and query._flat_row is not None
     for s in sums:
         s.mul_(1e6)  # the step's buffers, reused or edited: not the query's
     assert [tuple(s.shape) for s in query._sums] == [(1, 4, 3), (1, 3)]

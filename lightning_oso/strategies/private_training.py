@@ -11,8 +11,8 @@
    per-sample state is let go.
 4. ``optimizer_step`` runs Lightning's closure (forward + backward), then replaces every gradient by its
    sanitised value (``step.release``: noise -> sum across processes -> division by ``B``), *before* the
-   ``on_before_optimizer_step`` hooks and the optimizer see it, then steps, then lets the rule update itself
-   (``C_t``) and the learning rate (``rho_t``) from the sanitised values.
+   ``on_before_optimizer_step`` hooks and the optimizer see it, lets the rule update itself (``C_t``) from the
+   sanitised values, then steps, then multiplies the learning rate by the rule's factor (``rho_t``).
 
 With ``Trainer(accumulate_grad_batches=k)`` the Poisson sampler yields each logical batch (rate
 ``q = k * batch_size * world_size / N``) as ``k`` micro-batches (``data.PoissonBatchSampler``); Lightning runs
@@ -85,6 +85,7 @@ class PrivateTraining(_StrategyBase):
         #: optimizer steps per epoch of the Poisson-sampled training loader
         self.steps_per_epoch: int | None = None
         self._clipped: ClippedSums | None = None  # the logical batch's clipped sums so far (never released as such)
+        self._lr_factor: Tensor | None = None  # the rule's learning-rate factor from the step being taken
         #: opt-in, non-private statistics of the last step (docs/algorithms.md, "What is private"); empty unless the
         #: plan's collect_diagnostics
         self.diagnostics: dict[str, Tensor] = {}
@@ -291,9 +292,9 @@ class PrivateTraining(_StrategyBase):
             return loss
 
         result = super().optimizer_step(optimizer, private_closure, model, **kwargs)
-        # the rule learns from sanitised values only (docs/algorithms.md, "What is private"): post-processing, no
-        # privacy cost
-        lr_factor = self.rule.update(released["step"])
+        # the rule learned from the released step in privatise; its learning-rate factor is rho_{t+1} / rho_t, for the
+        # next step (this one stepped with rho_t)
+        lr_factor, self._lr_factor = self._lr_factor, None
         if lr_factor is not None:
             # a float: a learning rate stays what the user gave (a float, or their tensor), and the optimizer reads a
             # float once a step instead of a tensor's value once per parameter (one host read a step on a GPU, which
@@ -341,6 +342,10 @@ class PrivateTraining(_StrategyBase):
         with norm_bounds.exact_float32_products(self.root_device):  # sums and noise in float32 or better
             wiring = self.process_release.wiring(self._record_step if plan.ledger is not None else None)
             released = release(clipped, self.rule, self.expected_batch_size, wiring)
+        # the rule learns from sanitised values only (docs/algorithms.md, "What is private"): post-processing, no
+        # privacy cost. Here, while the raw sums are alive, because OSO reads its previous step's vectors and lets
+        # them go before it copies this step's deferred row out of the sums: the three are never alive together
+        self._lr_factor = self.rule.update(released)
         del clipped  # the raw sums, freed before the gradients are written: one model-sized buffer less at the peak
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here, and always as copies: a user's
