@@ -168,8 +168,9 @@ class ClippingRule:
         return []
 
     def update(self, released: SanitisedStep) -> Tensor | None:
-        """Post-processing of the step's released queries after the parameter update; returns a learning-rate
-        factor or ``None`` (no change)."""
+        """Post-processing of the step's released queries, once they are released (the strategy calls it before the
+        optimizer steps, so that OSO can let its previous vectors go while the step's sums are alive); returns a
+        learning-rate factor for the next step, or ``None`` (no change)."""
         return None
 
     def step_metrics(self) -> dict[str, Tensor]:
@@ -329,8 +330,9 @@ class OSOClipping(ClippingRule):
     """Online Sensitivity Optimisation (OSO paper, Algorithm 1; docs/algorithms.md, "OSO-DPSGD").
 
     Per step: the clipped-gradient sum with noise ``N(0, (C_t nu_g)^2 I)`` and the direction sum of the clipped
-    samples with noise ``N(0, nu_q^2 I)``; ``nu_g`` and ``nu_q`` split ``nu`` by Proposition 1. After the parameter
-    update, from sanitised values only (post-processing, no privacy cost), eqs. 20-21:
+    samples with noise ``N(0, nu_q^2 I)``; ``nu_g`` and ``nu_q`` split ``nu`` by Proposition 1. Once the step is
+    released, from sanitised values only (post-processing, no privacy cost), eqs. 20-21 (``rho_{t+1}`` applies from
+    the next step):
 
     ``C_{t+1} = C_t exp(rho_c sign(g~_t . q~_{t-1}))`` and ``rho_{t+1} = rho_t exp(rho_r sign(g~_t . g~_{t-1}))``,
     with ``q~_0 = g~_0 = 0`` (``sign(0) = 0``: no change at the first step). With SGD momentum the hypergradient

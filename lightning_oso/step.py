@@ -62,7 +62,7 @@ Reduce = Callable[[list[Tensor]], object]
 class StepRule(Protocol):
     """What the step asks of a clipping rule (``lightning_oso.clipping.ClippingRule`` and its subclasses): the weights
     of the records, the queries they make, and each query's noise. The rule's update from the released values is not
-    the step's business (the strategy calls it after the optimizer step)."""
+    the step's business (the strategy calls it once the step is released, before the optimizer steps)."""
 
     #: the row of the vector queries that is the parameter gradient
     GRADIENT: int
@@ -309,7 +309,7 @@ def clip_and_sum(per_sample: PerSampleSource, rule: StepRule, into: ClippedSums 
     released once its sums are taken, so a logical batch's memory is that of its largest micro-batch plus one
     ``[k, *param.shape]`` sum per parameter.
 
-    Clipping is per sample, with the rule's current threshold (it changes only after the optimizer step), so the
+    Clipping is per sample, with the rule's current threshold (it changes only once the step is released), so the
     sum over the micro-batches of their clipped sums is the clipped sum of the logical batch, sample by sample.
     The sums are kept in float32 or wider whatever the dtype of the per-sample gradients.
 
