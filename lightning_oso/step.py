@@ -540,15 +540,14 @@ FLOAT64_CHUNK = 1 << 17
 
 def dot_in_float64(a: Tensor, b: Tensor) -> Tensor:
     """``a . b`` for a flat float64 ``a`` and a flat ``b`` of any float dtype, in float64 (``b`` converted exactly, a
-    chunk of :data:`FLOAT64_CHUNK` at a time into one reused buffer), as a 0-dim tensor."""
+    chunk of :data:`FLOAT64_CHUNK` at a time), as a 0-dim tensor. (Converting into one reused buffer instead made the
+    release's own float64 copy, in the same step, slower on a CPU: 1.14 against 0.63 ms on the MLP.)"""
     if b.dtype == torch.float64 or b.numel() <= FLOAT64_CHUNK:
         return torch.dot(a, b.to(torch.float64))
-    buffer = torch.empty(FLOAT64_CHUNK, dtype=torch.float64, device=b.device)
-    parts = []
-    for i in range(0, b.numel(), FLOAT64_CHUNK):
-        chunk = buffer[: min(FLOAT64_CHUNK, b.numel() - i)]
-        chunk.copy_(b[i : i + FLOAT64_CHUNK])
-        parts.append(torch.dot(a[i : i + FLOAT64_CHUNK], chunk))
+    parts = [
+        torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))
+        for i in range(0, b.numel(), FLOAT64_CHUNK)
+    ]
     return torch.stack(parts).sum()
 
 
