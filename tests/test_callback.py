@@ -3,6 +3,7 @@
 import glob
 import inspect
 import json
+import math
 import pickle
 import re
 import warnings
@@ -466,3 +467,37 @@ def test_oso_keeps_the_learning_rate_of_the_type_the_user_gave(as_tensor):
         expected *= f
     assert len(factors) == 6 and any(f != 1.0 for f in factors)
     assert float(lr) == pytest.approx(expected, rel=1e-15)
+
+
+def test_an_optimizer_that_runs_its_closure_twice_gets_every_releases_learning_rate_factor(monkeypatch):
+    """Each run of the closure is a release, charged, from which the rule learns (``C_t`` moves once per release).
+    Its learning-rate factor must come with it: the group's rate after the fit is the initial one times the factor
+    of every release, not of the last release of each optimizer step."""
+    from lightning_oso.clipping import OSOClipping
+
+    class TwiceSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            closure()  # e.g. a line search's first evaluation
+            return super().step(closure)
+
+    class Twice(ToyModel):
+        def configure_optimizers(self):
+            return TwiceSGD(self.parameters(), lr=0.5)
+
+    factors = []
+    update = OSOClipping.update
+
+    def spy(rule, released):
+        factors.append(float(update(rule, released)))
+        return torch.tensor(factors[-1])
+
+    monkeypatch.setattr(OSOClipping, "update", spy)
+    dp = OSODP(target_epsilon=10.0, target_delta=1e-4, noise_multiplier=1.0, lr_lr=0.3)
+    model = Twice()
+    trainer = make_trainer([dp], max_steps=4)
+    trainer.fit(model, toy_loader(batch_size=20))
+    # every release charged: the budget planned for 4 steps is spent after 2 optimizer steps of 2 releases each
+    assert len(factors) == 2 * trainer.global_step == dp.steps >= 4
+    assert any(f != 1.0 for f in factors)  # the learning rate moved
+    expected = 0.5 * math.prod(factors)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected, rel=1e-6)  # float32 factors

@@ -280,7 +280,7 @@ class PrivateTraining(_StrategyBase):
     ) -> Any:
         if self.rule is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        released: dict[str, SanitisedStep] = {}
+        self._lr_factor = None
 
         def private_closure() -> Any:
             try:
@@ -288,7 +288,9 @@ class PrivateTraining(_StrategyBase):
             finally:
                 if self._hooks is not None:
                     self._hooks.end_backward()
-            released["step"] = self.privatise(optimizer)
+            # the released step is not kept: the rule took what it learns from, p.grad holds the gradients, and its
+            # float64 values are freed before the optimizer steps
+            self.privatise(optimizer)
             return loss
 
         result = super().optimizer_step(optimizer, private_closure, model, **kwargs)
@@ -345,7 +347,11 @@ class PrivateTraining(_StrategyBase):
         # the rule learns from sanitised values only (docs/algorithms.md, "What is private"): post-processing, no
         # privacy cost. Here, while the raw sums are alive, because OSO reads its previous step's vectors and lets
         # them go before it copies this step's deferred row out of the sums: the three are never alive together
-        self._lr_factor = self.rule.update(released)
+        factor = self.rule.update(released)
+        # an optimizer that runs its closure more than once a step (each run a release, charged) gets every release's
+        # factor, as C_t got every release's update
+        if factor is not None:
+            self._lr_factor = factor if self._lr_factor is None else self._lr_factor * factor
         del clipped  # the raw sums, freed before the gradients are written: one model-sized buffer less at the peak
         # the ledger has charged the step (release's write-ahead record): the gradients may now be written, cast to
         # the parameters' dtype (bfloat16 under precision="bf16-true") only here, and always as copies: a user's
