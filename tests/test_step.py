@@ -250,16 +250,12 @@ def test_oso_keeps_the_last_gradient_in_float32_and_its_sign_test_is_the_float64
         views = [t.view(shape) for t, shape in zip(current.split([math.prod(s) for s in shapes]), shapes)]
         product = step.flat_dot(views, kept)
         assert product.dtype == torch.float64
-        assert float(product) == pytest.approx(float(current @ kept_flat(kept)), rel=1e-12)
+        assert float(product) == pytest.approx(float(current @ step.laid_end_to_end(kept).double()), rel=1e-12)
         assert torch.sign(product) == torch.sign(current @ previous) == (-1) ** k
     huge = kept_gradient([torch.tensor([1e300, -1e300, 3.0], dtype=torch.float64)])[0]
     largest = torch.finfo(torch.float32).max
     assert huge.tolist() == [largest, -largest, 3.0]
     assert float(step.flat_dot([torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)], [huge])) == 0.0
-
-
-def kept_flat(kept):
-    return torch.cat([t.reshape(-1) for t in kept]).double()
 
 
 def test_oso_lets_its_previous_vectors_go_before_it_keeps_this_steps_direction(monkeypatch):
