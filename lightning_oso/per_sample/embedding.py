@@ -71,8 +71,9 @@ class EmbeddingPart:
         n, t, d = self.b.shape
         k = weights.shape[1]
         out = torch.zeros((k, *self.layer.weight.shape), dtype=self.b.dtype, device=self.b.device)
-        # a record of weight 0 adds exactly 0 (its output gradients may hold NaN or inf: parts.zero_unweighted)
-        scaled = zero_unweighted(weights.t()[:, :, None, None] * self.b, weighted_records(weights), dim=1)
+        # a record of weight 0 adds exactly 0 (its output gradients may hold NaN or inf: parts.zero_unweighted),
+        # zeroed before they are scaled into k columns
+        scaled = weights.t()[:, :, None, None] * zero_unweighted(self.b, weighted_records(weights))
         out.index_add_(1, self.idx.reshape(-1), scaled.reshape(k, n * t, d))
         return {self.layer.weight: out}
 

@@ -233,8 +233,10 @@ class OuterProduct:
             else:
                 n, t, d_out = self.b.shape
                 k = weights.shape[1]
-                # [k, d_out, n T] @ [n T, d_in]: every column of W in one product, one read of a
-                scaled = zero_unweighted(weights.t()[:, :, None, None] * self.b, weighted, dim=1)
+                # [k, d_out, n T] @ [n T, d_in]: every column of W in one product, one read of a. The unweighted
+                # records' output gradients are zeroed before they are scaled into k columns: a k-times smaller
+                # selection, and the same values (their weights are 0, and 0 * 0 = 0)
+                scaled = weights.t()[:, :, None, None] * zero_unweighted(self.b, weighted)
                 a = zero_unweighted(self.a, weighted).reshape(n * t, self.a.shape[2])
                 flat = torch.matmul(scaled.reshape(k, n * t, d_out).transpose(1, 2), a)
             if self.transposed:
