@@ -85,7 +85,8 @@ def clipped_sum_from_split(sums: list[Tensor], clip: Tensor) -> list[Tensor]:
             u = torch.finfo(s.dtype).eps / 2
             # on the device (no host read); the cast to the sums' dtype rounds by at most u, inside the margin
             scales[s.dtype] = (clip.to(torch.float64) * (1.0 - 4.0 * u)).to(s.dtype)
-        s[0].addcmul_(s[1], scales[s.dtype])
+        unclipped, directions = s.unbind(0)  # both rows' views in one call, where s[0] and s[1] take two
+        unclipped.addcmul_(directions, scales[s.dtype])
     return sums
 
 

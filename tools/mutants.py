@@ -59,8 +59,8 @@ MUTANTS = (
     Mutant(
         "oso_clipped_sum_without_c_t",
         "lightning_oso/clipping.py",
-        "s[0].addcmul_(s[1], scales[s.dtype])",
-        "s[0].add_(s[1])",
+        "unclipped.addcmul_(directions, scales[s.dtype])",
+        "unclipped.add_(directions)",
         (
             f"{RELEASE}::test_the_clipped_sum_is_released_with_noise_of_std_clip_times_nu_g[oso]",
             "tests/test_per_sample.py::test_sensitivity_on_neighbouring_batches",
