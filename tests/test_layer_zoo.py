@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import OSODP, per_sample
-from lightning_oso.per_sample import BookKeeping, fast_path, per_sample_norms, weighted_sums
+from lightning_oso.per_sample import BookKeeping, conv, fast_path, per_sample_norms, weighted_sums
 
 N = 5
 
@@ -458,6 +458,28 @@ def test_fast_path_equals_one_record_at_a_time(name, frozen):
     for s, r in zip(bk.weighted_sums(params, weights), weighted_sums(reference, weights)):
         torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-5)
     bk.remove()
+
+
+#: the convolutions that form their per-sample weight gradients (the ghost ones never do)
+CONV_ZOO = [name for name in ZOO if name.startswith("conv") and not name.endswith("ghost")]
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["grads", "frozen"])
+@pytest.mark.parametrize("name", CONV_ZOO)
+def test_recomputed_convolution_sums_equal_one_record_at_a_time(name, frozen, monkeypatch):
+    """Every convolution of the zoo (1-3 d, transposed, grouped, every padding mode) forced to form its per-sample
+    weight gradients a block of two records at a time for its norms and to recompute its sums over the batch
+    (``conv.RecomputedSums``), the five records padded to six: the same norms and sums as one record at a time, and
+    an empty batch gives zero sums."""
+    monkeypatch.setattr(conv, "RECOMPUTE_MIN_RATIO", 0.0)
+    monkeypatch.setattr(conv, "BLOCK_ENTRIES", 1)
+    monkeypatch.setattr(conv, "SHAPE_STEP", 2)
+    parts = []
+    init = conv.RecomputedSums.__init__
+    monkeypatch.setattr(conv.RecomputedSums, "__init__", lambda self, *a, **k: parts.append(1) or init(self, *a, **k))
+    test_fast_path_equals_one_record_at_a_time(name, frozen)
+    test_an_empty_batch_has_no_norms_and_zero_sums(name)
+    assert parts, "no convolution recomputed its sums"
 
 
 # torch's own InstanceNorm cannot run a batch of zero records, nor pack_padded_sequence pack one

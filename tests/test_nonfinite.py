@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import OSODP, FixedQuantileDP, clipping, per_sample, step
 from lightning_oso.clipping import FixedQuantileClipping, FixedThresholdClipping, OSOClipping
-from lightning_oso.per_sample import linear
+from lightning_oso.per_sample import conv, linear
+from lightning_oso.per_sample.parts import Instantiated
 
 N_BENIGN = 6
 CLASSES = 3
@@ -132,6 +133,12 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator, int]
         lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Flatten(), nn.Linear(75, CLASSES)),
         _floats(2, 5, 5),
     ),
+    # the per-sample weight gradients (576 entries a record) more than twice the input and output gradient (244):
+    # formed a block at a time for the norms, the sums recomputed over the batch (``conv.RecomputedSums``)
+    "conv_recomputed": (
+        lambda: nn.Sequential(nn.Conv2d(4, 16, 3), nn.Tanh(), nn.Flatten(), nn.Linear(144, CLASSES)),
+        _floats(4, 5, 5),
+    ),
     "embedding": (Looked, _tokens_and(4, 8)),
     "bag": (Bag, _tokens_and(5)),
     "bag_max": (MaxBag, lambda g, n: (torch.randint(0, 10, (n, 5), generator=g), torch.randn(n, 4, generator=g))),
@@ -175,6 +182,15 @@ UNSUPPORTED = {
     ("bag", "hooks"): "Opacus' EmbeddingBag sampler takes a 1-d input with offsets only",
     ("bag_max", "hooks"): "Opacus' EmbeddingBag sampler takes a 1-d input with offsets only",
 }
+
+
+@pytest.fixture(autouse=True)
+def _blocks_of_two_records(monkeypatch):
+    """Convolutions form their per-sample weight gradients two records at a time (``conv.SHAPE_STEP``,
+    ``conv.BLOCK_ENTRIES``): the attacked record, last, alone in its block, and ``conv_recomputed`` on the route a
+    batch of hundreds takes (more than one block)."""
+    monkeypatch.setattr(conv, "SHAPE_STEP", 2)
+    monkeypatch.setattr(conv, "BLOCK_ENTRIES", 1)
 
 
 def _model(name: str) -> nn.Module:
@@ -277,6 +293,27 @@ def test_a_huge_finite_record_moves_the_sums_by_at_most_the_bound(name, crafted,
             assert moves[1] <= 1 + 1e-4, moves.tolist()
         if rule_name == "quantile":
             assert abs(float(with_record.scalars - without.scalars)) <= 0.5
+
+
+def test_the_models_take_the_convolution_routes_they_are_named_after():
+    """``conv_instantiated`` holds its per-sample weight gradients, ``conv_recomputed`` forms them a block at a time
+    and recomputes its sums (``conv.RecomputedSums``), ``conv_ghost`` takes the ghost norm: the attacks above reach
+    each route by the layers' shapes alone."""
+    kinds = {}
+    for name in ("conv_ghost", "conv_instantiated", "conv_recomputed"):
+        model = _model(name)
+        inputs, labels = _records(name, None)
+        hooks = per_sample.attach(model, "book_keeping", "mean")
+        try:
+            F.cross_entropy(model(*inputs), labels).backward()
+            kinds[name] = type(hooks._compute()[model[0]])
+        finally:
+            per_sample.detach(hooks)
+    assert kinds == {
+        "conv_ghost": linear.OuterProduct,
+        "conv_instantiated": Instantiated,
+        "conv_recomputed": conv.RecomputedSums,
+    }
 
 
 NON_FINITE = [math.nan, math.inf]

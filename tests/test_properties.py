@@ -252,32 +252,45 @@ def test_conv_per_sample_paths_equal_the_oracle(run):
 
 
 @contextlib.contextmanager
-def _conv_instantiation(route: str, step: int | None = None):
+def _conv_instantiation(route: str, step: int | None = None, sums: str | None = None):
     """Every convolution of one group that instantiates its per-sample weight gradients does so by one forward
     convolution (``"forward"``, whatever its channels and strides) or by the grouped convolution's weight gradient
     (``"grouped"``), on the CPU, its records in blocks of multiples of ``step`` (``conv.SHAPE_STEP``) where given;
-    only ``per_sample.conv``'s settings are changed, and restored."""
+    with ``sums="recomputed"`` every such convolution forms them a block at a time for its norms only and recomputes
+    its sums over the batch (``conv.RecomputedSums``; blocks of one record's entries), with ``"held"`` none does.
+    Only ``per_sample.conv``'s settings are changed, and restored."""
     saved = conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE, conv.SHAPE_STEP
+    saved_sums = conv.RECOMPUTE_MIN_RATIO, conv.BLOCK_ENTRIES
     if route == "forward":
         conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE = math.inf, math.inf
     else:
         conv.FORWARD_MAX_CHANNELS = 0
     if step is not None:
         conv.SHAPE_STEP = step
+    if sums is not None:
+        conv.RECOMPUTE_MIN_RATIO = 0.0 if sums == "recomputed" else math.inf
+        conv.BLOCK_ENTRIES = 1
     try:
         yield
     finally:
         conv.FORWARD_MAX_CHANNELS, conv.FORWARD_MAX_STRIDE, conv.SHAPE_STEP = saved
+        conv.RECOMPUTE_MIN_RATIO, conv.BLOCK_ENTRIES = saved_sums
 
 
 @settings(max_examples=_examples(40))
-@given(run=runs(_convs), route=st.sampled_from(["forward", "grouped"]), step=st.sampled_from([1, 2, 3, 8]))
-def test_both_conv_instantiations_equal_the_oracle(run, route, step):
+@given(
+    run=runs(_convs),
+    route=st.sampled_from(["forward", "grouped"]),
+    step=st.sampled_from([1, 2, 3, 8]),
+    sums=st.sampled_from(["held", "recomputed"]),
+)
+def test_both_conv_instantiations_equal_the_oracle(run, route, step, sums):
     """The two ways of instantiating a convolution's per-sample weight gradients, each forced on every drawn layer
     (strides, dilations, paddings and channels the default leaves to the other), the records convolved in one or two
-    blocks (``conv.record_blocks`` with a drawn step: the drawn batches of 1-4 records split at every place): norms
+    blocks (``conv.record_blocks`` with a drawn step: the drawn batches of 1-4 records split at every place), the
+    gradients held for the sums or formed block by block for the norms and the sums recomputed over the batch: norms
     bound the oracle's, sums match."""
-    with _conv_instantiation(route, step):
+    with _conv_instantiation(route, step, sums):
         _check_both_paths(**run)
 
 

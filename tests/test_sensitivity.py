@@ -392,6 +392,36 @@ def test_per_sample_convolutions_in_record_blocks_cannot_hide_a_records_norm(cas
     assert 2 in blocks, "the records were not split into blocks"
 
 
+@pytest.mark.parametrize("case", [BY_NAME["conv1d_grouped"], BY_NAME["conv2d_grouped"]], ids=lambda c: c.name)
+@pytest.mark.parametrize("route", ["forward", "grouped"])
+def test_recomputed_convolution_sums_cannot_hide_a_records_norm(case, route, monkeypatch):
+    """A convolution that forms its per-sample weight gradients a block of records at a time for its norms and
+    recomputes its sums over the batch (``conv.RecomputedSums``, forced here), by either route: the cancelling and
+    the huge records of the tests above, on the CPU. The seven records are cut into a block of four, then the rest
+    as ``conv.record_blocks`` cuts it (``SHAPE_STEP`` 2: two, then the attacked record, last, alone)."""
+    monkeypatch.setattr(conv, "RECOMPUTE_MIN_RATIO", 0.0)
+    monkeypatch.setattr(conv, "SHAPE_STEP", 2)
+    monkeypatch.setattr(conv, "BLOCK_ENTRIES", 4 * _layer(case).weight.numel())
+    cuts = []
+    weight_grad_blocks = conv.weight_grad_blocks
+    monkeypatch.setattr(conv, "weight_grad_blocks", lambda n, per: cuts.append(weight_grad_blocks(n, per)) or cuts[-1])
+    if route == "forward":
+        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", math.inf)
+        monkeypatch.setattr(conv, "FORWARD_MAX_STRIDE", math.inf)
+    else:
+        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", 0)
+    sums = []
+    weighted_sum = conv._PerSampleWeightGrads.weighted_sum
+    monkeypatch.setattr(
+        conv._PerSampleWeightGrads, "weighted_sum", lambda self, w: sums.append(1) or weighted_sum(self, w)
+    )
+    test_cancelling_positions_cannot_hide_a_records_norm(case, "two_column", "cpu", "whole")
+    for scale in (1e20, 1e30, 1e36, "max"):
+        test_huge_finite_record_gets_a_finite_norm(case, scale, "cpu")
+    assert sums, "the sums were not recomputed"
+    assert [slice(0, 4), slice(4, 6), slice(6, 7)] in cuts, "the seven records were not cut as intended"
+
+
 @pytest.mark.parametrize(
     "case",
     [BY_NAME[name] for name in ("linear_bias", "linear_instantiated", "linear_shared_input")]

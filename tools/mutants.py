@@ -383,8 +383,61 @@ MUTANTS = (
         (
             "tests/test_properties.py::test_both_conv_instantiations_equal_the_oracle",
             "tests/test_sensitivity.py::test_per_sample_convolutions_in_record_blocks_cannot_hide_a_records_norm",
+            "tests/test_sensitivity.py::test_recomputed_convolution_sums_cannot_hide_a_records_norm",
         ),
         "a convolution's per-sample gradients convolved in blocks of records are joined in the wrong order: each "
+        "record is clipped by another's norm",
+    ),
+    Mutant(
+        "conv_weight_grad_blocks_rest_misplaced",
+        "lightning_oso/per_sample/conv.py",
+        "    return blocks + [slice(whole + rows.start, whole + rows.stop) for rows in record_blocks(n - whole)]",
+        "    return blocks + [slice(rows.start, rows.stop) for rows in record_blocks(n - whole)]",
+        (
+            "tests/test_properties.py::test_both_conv_instantiations_equal_the_oracle",
+            "tests/test_sensitivity.py::test_recomputed_convolution_sums_cannot_hide_a_records_norm",
+            "tests/test_layer_zoo.py::test_recomputed_convolution_sums_equal_one_record_at_a_time",
+        ),
+        "a convolution's per-sample gradients formed in blocks take the last records' block from the first records: "
+        "the last records get other records' gradients and norms",
+    ),
+    Mutant(
+        "recomputed_conv_sums_unmasked_gradients",
+        "lightning_oso/per_sample/conv.py",
+        "kept = zero_unweighted(g, weighted)",
+        "kept = g",
+        ("tests/test_nonfinite.py::test_a_non_finite_record_adds_nothing_to_the_sums",),
+        "a convolution that recomputes its sums over the batch lets the output gradients of a record of weight 0 into "
+        "the product: one NaN or inf record makes every sum NaN, and whether the step happens depends on it",
+    ),
+    Mutant(
+        "recomputed_conv_sums_unmasked_inputs",
+        "lightning_oso/per_sample/conv.py",
+        "torch.where(_per_record(weighted, x), x, x.new_zeros(()), out=inputs[:n])",
+        "inputs[:n].copy_(x)",
+        ("tests/test_nonfinite.py::test_a_non_finite_record_adds_nothing_to_the_sums",),
+        "a convolution that recomputes its sums over the batch lets the inputs of a record of weight 0 into the "
+        "product (times its zeroed output gradients: 0 * inf is NaN)",
+    ),
+    Mutant(
+        "recomputed_conv_sums_unscaled",
+        "lightning_oso/per_sample/conv.py",
+        "torch.mul(every, kept.unsqueeze(1), out=scaled[:n])",
+        "scaled[:n].copy_(kept.unsqueeze(1).expand_as(scaled[:n]))",
+        ("tests/test_sensitivity.py::test_recomputed_convolution_sums_cannot_hide_a_records_norm",),
+        "a convolution that recomputes its sums adds every record's gradient whole to every column, unclipped: a "
+        "record moves the sums by its whole gradient",
+    ),
+    Mutant(
+        "recomputed_conv_norms_out_of_order",
+        "lightning_oso/per_sample/conv.py",
+        "return torch.cat([nb.sq_norm_upper(self.of_records(rows)).sqrt_() for rows in blocks])",
+        "return torch.cat([nb.sq_norm_upper(self.of_records(rows)).sqrt_() for rows in blocks[::-1]])",
+        (
+            "tests/test_sensitivity.py::test_recomputed_convolution_sums_cannot_hide_a_records_norm",
+            "tests/test_properties.py::test_both_conv_instantiations_equal_the_oracle",
+        ),
+        "a convolution that takes its norms a block of records at a time joins the blocks in the wrong order: each "
         "record is clipped by another's norm",
     ),
     Mutant(

@@ -24,7 +24,15 @@ from torch.nn.modules.conv import _ConvNd
 
 from lightning_oso.per_sample import norm_bounds as nb
 from lightning_oso.per_sample.linear import OuterProduct
-from lightning_oso.per_sample.parts import Instantiated, accumulate, cat_positions
+from lightning_oso.per_sample.parts import (
+    Instantiated,
+    Sums,
+    accumulate,
+    cat_positions,
+    sum_parts,
+    weighted_records,
+    zero_unweighted,
+)
 from lightning_oso.per_sample.registry import register_fast_path
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -131,8 +139,218 @@ def record_blocks(n: int) -> list[slice]:
     return [rows for rows in (slice(0, whole), slice(whole, n)) if rows.stop > rows.start]
 
 
+#: The per-sample weight gradients are formed a block of records at a time, each block about this many entries (2 MB
+#: of float32, which stays in cache while it is formed and read): a multiple of :data:`SHAPE_STEP` records, at least
+#: that many. On the paper's MNIST CNN's second convolution (B = 512, 8,192 entries a record, two threads) blocks of
+#: 64 records took 64 ms against 87 ms for the batch as one grouped convolution (``benchmarks/conv_parts.py``).
+BLOCK_ENTRIES = 1 << 19
+#: A convolution whose per-sample weight gradients would hold more than this many times the entries of what its
+#: part otherwise keeps until the sums (a record's inputs and output gradients, over all calls), and more than one
+#: block of them, does not hold them: it forms them a block at a time for the norms only, and its weighted sums as the
+#: weight gradient of one convolution over the batch, the output gradients scaled by the weights
+#: (:class:`RecomputedSums`). The demo's second convolution (16 to 32 channels, 3x3, on 7x7 inputs: 4,608 entries a
+#: record against 1,584) held 4.7 MB at B = 256, half the non-private step's peak. The tests set it to 0 or infinity
+#: to force either route.
+RECOMPUTE_MIN_RATIO = 2.0
+
+
+def _sums_recomputed(layer: _ConvNd, calls: list[tuple[Tensor, Tensor]]) -> bool:
+    """Whether the layer's part recomputes its sums rather than holding its per-sample weight gradients
+    (:data:`RECOMPUTE_MIN_RATIO`): shapes only, never values."""
+    n, per_record = calls[0][1].shape[0], layer.weight.numel()
+    kept = sum(math.prod(x.shape[1:]) + math.prod(g.shape[1:]) for x, g in calls)
+    return per_record > RECOMPUTE_MIN_RATIO * kept and n * per_record > BLOCK_ENTRIES
+
+
+def weight_grad_blocks(n: int, per_record: int) -> list[slice]:
+    """Records ``0..n-1`` in blocks of about :data:`BLOCK_ENTRIES` entries (``per_record`` a record), a multiple of
+    :data:`SHAPE_STEP` records each, then the rest as :func:`record_blocks` cuts it: the cut depends on ``n`` and the
+    shapes alone, and a layer meets at most ``step / SHAPE_STEP + SHAPE_STEP`` block sizes."""
+    step = max(SHAPE_STEP, BLOCK_ENTRIES // max(per_record, 1) // SHAPE_STEP * SHAPE_STEP)
+    whole = n - n % step
+    blocks = [slice(start, start + step) for start in range(0, whole, step)]
+    return blocks + [slice(whole + rows.start, whole + rows.stop) for rows in record_blocks(n - whole)]
+
+
+class _PerSampleWeightGrads:
+    """A convolution's per-sample weight gradients, formed on demand from its calls' inputs and output gradients
+    (``calls``: ``[(x, g)]``, records first, ``x`` padded as the convolution proper sees it), and their weighted sums
+    over the batch."""
+
+    def __init__(
+        self,
+        layer: _ConvNd,
+        calls: list[tuple[Tensor, Tensor]],
+        stride: tuple[int, ...],
+        padding: tuple[int, ...],
+        dilation: tuple[int, ...],
+    ) -> None:
+        self.layer, self.calls = layer, calls
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.transposed = isinstance(layer, _TRANSPOSED)
+        self.weight_shape = tuple(layer.weight.shape)
+        self.n = calls[0][1].shape[0]
+        self.forward = _as_forward_convolution(layer, calls[0][1].device)  # the route: settings only
+
+    def of_rows(self, x: Tensor, g: Tensor, rows: slice) -> Tensor:
+        """One call's per-sample weight gradients of the records ``rows``: ``[rows, *weight.shape]``."""
+        if self.forward:
+            kernel = tuple(self.layer.kernel_size)
+            return _forward_weight_grads(x[rows], g[rows], kernel, self.stride, self.padding, self.dilation)
+        source, target = (g, x) if self.transposed else (x, g)  # the convolution's input and output gradient
+        return _grouped_weight_grads(
+            source[rows], target[rows], self.weight_shape, self.layer.groups, self.stride, self.padding, self.dilation
+        )
+
+    def of_call(self, x: Tensor, g: Tensor) -> Tensor:
+        """One call's per-sample weight gradients, ``[n, *weight.shape]``, convolved in :func:`weight_grad_blocks`."""
+        if self.n == 0:
+            # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
+            # groups, which the convolution refuses; no record, so no per-sample gradient
+            return g.new_zeros(0, *self.weight_shape)
+        blocks = weight_grad_blocks(self.n, math.prod(self.weight_shape))
+        if len(blocks) == 1:
+            return self.of_rows(x, g, blocks[0]).reshape(self.n, *self.weight_shape)
+        # each block written into its rows and let go: the batch's gradients are alive once, not twice as in a join
+        held = g.new_empty(self.n, *self.weight_shape)
+        for rows in blocks:
+            held[rows] = self.of_rows(x, g, rows).reshape(-1, *self.weight_shape)
+        return held
+
+    def of_records(self, rows: slice) -> Tensor:
+        """The per-sample weight gradients of the records ``rows``, summed over the calls in their order (the same
+        additions as :func:`~lightning_oso.per_sample.parts.accumulate` makes of whole calls)."""
+        total: Tensor | None = None
+        for x, g in self.calls:
+            block = self.of_rows(x, g, rows)
+            total = block if total is None else total + block
+        assert total is not None  # a part has at least one call
+        return total
+
+    def held(self) -> Tensor:
+        """Every record's per-sample weight gradient, ``[n, *weight.shape]`` (a tied weight's share)."""
+        if self.n == 0:
+            return self.calls[0][1].new_zeros(0, *self.weight_shape)
+        held = self.calls[0][1].new_empty(self.n, *self.weight_shape)
+        for rows in weight_grad_blocks(self.n, math.prod(self.weight_shape)):
+            held[rows] = self.of_records(rows).reshape(-1, *self.weight_shape)
+        return held
+
+    def norms(self) -> Tensor:
+        """Upper bounds (float64 ``[n]``, NaN where not finite) of the norms of the held gradients ``G^_i`` that
+        :meth:`held` gives, formed a block of records at a time (:func:`weight_grad_blocks`) and let go."""
+        device = self.calls[0][1].device
+        if self.n == 0:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        blocks = weight_grad_blocks(self.n, math.prod(self.weight_shape))
+        return torch.cat([nb.sq_norm_upper(self.of_records(rows)).sqrt_() for rows in blocks])
+
+    def weighted_sum(self, weights: Tensor) -> Tensor:
+        """``sum_i weights[i, k] G_i`` for every column ``k``, ``[k, *weight.shape]``: the weight gradient of the
+        layer's convolution over the batch, each record's output gradients scaled by its weight, all columns in one
+        convolution where the layer has one group and is not transposed (the columns stacked as output channels),
+        else one per column.
+
+        A record whose weights are all 0 adds exactly 0: its inputs and output gradients (NaN or inf perhaps) are
+        replaced by zeros first. The products start with the weight and the output gradient, ``(w_i b_it) a_it``, as
+        the linear layers' do (``OuterProduct.weighted_sums``). The batch is padded with zero records to a multiple of
+        :data:`SHAPE_STEP` (they add exactly 0): the convolution meets a few batch sizes, not one per Poisson draw,
+        each of which oneDNN (cuDNN) would build a kernel for."""
+        n, k = weights.shape
+        dtype = self.calls[0][1].dtype
+        if n == 0:  # an empty Poisson batch: no record, so no convolution (zero records would be zero groups)
+            return weights.new_zeros(k, *self.weight_shape, dtype=dtype)
+        weights = weights.to(dtype)
+        weighted = weighted_records(weights)
+        padded = -(-n // SHAPE_STEP) * SHAPE_STEP
+        stacked = not self.transposed and self.layer.groups == 1
+        total: Tensor | None = None
+        for x, g in self.calls:
+            inputs = x.new_zeros(padded, *x.shape[1:])
+            torch.where(_per_record(weighted, x), x, x.new_zeros(()), out=inputs[:n])
+            kept = zero_unweighted(g, weighted)  # [n, C_out, *positions]
+            if stacked:
+                scaled = g.new_zeros(padded, k, *g.shape[1:])
+                every = weights.reshape(n, k, *([1] * (g.dim() - 1)))  # [n, k, 1, ...]: each column's weights
+                torch.mul(every, kept.unsqueeze(1), out=scaled[:n])
+                part = self._batch_weight_grad(inputs, scaled.flatten(1, 2), (k * self.weight_shape[0],))
+                part = part.reshape(k, *self.weight_shape)
+            else:
+                columns = []
+                for column in range(k):
+                    scaled = g.new_zeros(padded, *g.shape[1:])
+                    torch.mul(_per_record(weights[:, column], kept), kept, out=scaled[:n])
+                    columns.append(self._batch_weight_grad(inputs, scaled, ()))
+                part = torch.stack(columns)
+            total = part if total is None else total.add_(part)
+        assert total is not None  # a part has at least one call
+        return total
+
+    def _batch_weight_grad(self, x: Tensor, g: Tensor, out_channels: tuple[int, ...]) -> Tensor:
+        """The weight gradient of the layer's convolution summed over the records of ``x`` and ``g`` (the output
+        gradients, ``out_channels`` of them where given: the stacked columns)."""
+        source, target = (g, x) if self.transposed else (x, g)
+        shape = (*out_channels, *self.weight_shape[1:]) if out_channels else self.weight_shape
+        return _WEIGHT_GRAD[len(self.weight_shape) - 2](
+            source,
+            shape,
+            target,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            groups=self.layer.groups,
+        )
+
+
+def _per_record(column: Tensor, like: Tensor) -> Tensor:
+    """A weight per record, ``[n]``, shaped to scale ``like`` (``[n, ...]``) record by record."""
+    return column.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+class RecomputedSums(Instantiated):
+    """A convolution's part that does not hold its per-sample weight gradients (:data:`RECOMPUTE_MIN_RATIO`): the
+    weight's norm bound was taken from them a block of records at a time, and its weighted sums are one convolution's
+    weight gradient per column over the batch. The bias's per-sample gradients are held, as :class:`Instantiated`
+    holds them. The weight's bound is that of the held gradients' route, so it also covers the exact ``G_i``; the
+    sums' rounding is then of the kind the linear layers' weighted products have (docs/algorithms.md, "What is not
+    modelled")."""
+
+    def __init__(
+        self,
+        weight_grads: _PerSampleWeightGrads,
+        grads: dict[Tensor, Tensor],
+        bounds: dict[Tensor, Tensor],
+        errors: dict[Tensor, Tensor],
+        batch_size: int,
+    ) -> None:
+        super().__init__(grads, bounds=bounds, errors=errors)
+        self.weight_grads = weight_grads
+        self.weight: Tensor | None = weight_grads.layer.weight
+        _, g = weight_grads.calls[0]
+        self.dtype, self.batch_size, self.device = g.dtype, batch_size, g.device
+
+    def sq_norms(self) -> Tensor:
+        if self.weight is None:  # handed over to a tied part
+            return super().sq_norms()
+        weight = self.bounds[self.weight].square() * nb.F64
+        return sum_parts([weight, super().sq_norms()]) if self.grads else weight
+
+    def take(self, param: Tensor) -> tuple[Tensor, Tensor]:
+        if self.weight is not None and param is self.weight:
+            self.weight = None
+            self.bounds.pop(param)
+            return self.weight_grads.held(), self.errors.pop(param)
+        return super().take(param)
+
+    def weighted_sums(self, weights: Tensor) -> Sums:
+        sums = super().weighted_sums(weights) if self.grads else {}
+        if self.weight is not None:
+            sums[self.weight] = self.weight_grads.weighted_sum(weights)
+        return sums
+
+
 @register_fast_path(*_CONVS, *_TRANSPOSED)
-def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated:
+def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterProduct | Instantiated | RecomputedSums:
     """Any convolution: ghost norm over unfolded patches where that is clearly cheaper (1-d/2-d, one group, not
     transposed), else the per-sample weight gradients from one grouped convolution, which needs no unfolded copy of
     the input (``C k k`` times its size)."""
@@ -169,7 +387,6 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
     # k = prod(kernel) patches), which needs no unfolding.
     grads: dict[Tensor, Tensor] = {}
     dtype, device = backprops[0].dtype, backprops[0].device
-    forward = _as_forward_convolution(layer, device)  # the route: settings only, the same for every call
     u, tau, m = nb.unit_roundoff(dtype), nb.tiny(dtype), nb.Scaled.MAX_ENTRY
     n = backprops[0].shape[0]
     r = torch.zeros(n, dtype=torch.float64, device=device)
@@ -177,27 +394,14 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
     largest = torch.zeros(n, dtype=torch.float64, device=device)  # of |x| and |b|, for the underflow terms
     k = math.prod(kernel)
     depth = depth_bias = len(xs)  # the sum over calls, plus the positions of each call
-    weight_shape = tuple(layer.weight.shape)
-    for x, g in zip(xs, backprops):
-        x = x.to(g.dtype)
-        source, target = (g, x) if transposed else (x, g)  # the convolution's input and output gradient
-        depth += math.prod(target.shape[2:])
+    calls = [(x.to(g.dtype), g) for x, g in zip(xs, backprops)]
+    weight_grads = _PerSampleWeightGrads(layer, calls, stride, padding, dilation)
+    recompute = layer.weight.requires_grad and _sums_recomputed(layer, calls)  # shapes only, never values
+    for x, g in calls:
+        depth += math.prod((x if transposed else g).shape[2:])  # the positions summed: the convolution's output's
         depth_bias += math.prod(g.shape[2:])
-        if n == 0:
-            # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
-            # groups, which the convolution refuses; no record, so no per-sample gradient
-            per_sample = g.new_zeros(0, *weight_shape)
-        else:
-            blocks = [
-                _forward_weight_grads(x[rows], g[rows], kernel, stride, padding, dilation)
-                if forward
-                else _grouped_weight_grads(
-                    source[rows], target[rows], weight_shape, layer.groups, stride, padding, dilation
-                )
-                for rows in record_blocks(n)
-            ]
-            per_sample = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        accumulate(grads, layer.weight, per_sample.reshape(n, *weight_shape))
+        if not recompute:
+            accumulate(grads, layer.weight, weight_grads.of_call(x, g))
         if layer.bias is not None:
             accumulate(grads, layer.bias, g.sum(dim=tuple(range(2, g.dim()))))
         norm_x, norm_g = nb.sq_norm_upper(x).sqrt_(), nb.sq_norm_upper(g).sqrt_()  # NaN where not finite
@@ -206,10 +410,11 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
         largest = torch.maximum(largest, torch.maximum(norm_x, norm_g))
     bounds: dict[Tensor, Tensor] = {}
     errors: dict[Tensor, Tensor] = {}
-    if layer.weight in grads:
+    if recompute or layer.weight in grads:
         alpha = nb.kernel_error(depth, u, nb.input_roundoff(device, "conv"))
         eta = (largest * (2 * m) + 2) * (math.sqrt(layer.weight.numel()) * depth * tau)
-        held = nb.sq_norm_upper(grads[layer.weight]).sqrt_().mul_(nb.F64)
+        # the held gradients' norms, or those of each block of records' gradients, formed and let go in turn
+        held = (weight_grads.norms() if recompute else nb.sq_norm_upper(grads[layer.weight]).sqrt_()).mul_(nb.F64)
         errors[layer.weight] = (alpha * r).mul_(nb.F64).add_(eta)
         bounds[layer.weight] = torch.minimum((1 + alpha) * r, held.add_(r, alpha=alpha)).mul_(nb.F64).add_(eta)
     if layer.bias in grads:
@@ -218,4 +423,6 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
         held = nb.sq_norm_upper(grads[layer.bias]).sqrt_().mul_(nb.F64)
         errors[layer.bias] = (g_t * r_bias).mul_(nb.F64).add_(absolute)
         bounds[layer.bias] = torch.minimum(r_bias * (1 + g_t), held.add_(r_bias, alpha=g_t)).add_(absolute)
+    if recompute:
+        return RecomputedSums(weight_grads, grads, bounds=bounds, errors=errors, batch_size=n)
     return Instantiated(grads, bounds=bounds, errors=errors)
