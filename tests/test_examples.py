@@ -526,3 +526,26 @@ def test_line_profile_attributes_the_operators_to_the_library_lines_that_call_th
     assert any(line.startswith("per_sample/linear.py") for line in lines)
     assert result["operator_ms_per_step"] == pytest.approx(sum(entry["ms"] for entry in lines.values()))
     assert "| line | ms | calls |" in out.with_suffix(".md").read_text()
+
+
+def test_conv_parts_times_both_routes_of_each_layer(tmp_path, monkeypatch):
+    """The convolution benchmark runs each layer's part in blocks and as the whole batch, and names the route each
+    took: the demo CNN's second convolution at B = 256 recomputes its sums in blocks, and keeps its per-sample
+    gradients as one batch; at B = 64 (one block) and on the MNIST CNN it keeps them either way."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import conv_parts
+
+    out = tmp_path / "conv_parts"
+    argv = ["conv_parts.py", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    conv_parts.main()
+    result = json.loads(out.with_suffix(".json").read_text())
+    kinds = {r["layer"]: (r["blocks_part"], r["whole_batch_part"]) for r in result["parts"]}
+    assert kinds == {
+        "MNIST CNN conv2, B = 512": ("Instantiated", "Instantiated"),
+        "demo CNN conv2, B = 256": ("RecomputedSums", "Instantiated"),
+        "demo CNN conv2, B = 64": ("Instantiated", "Instantiated"),
+    }
+    assert [r["records_per_block"] for r in result["block_sizes"]] == [512, 256, 128, 96, 64, 32]
+    assert all(r["ms"] > 0 for r in result["block_sizes"])
+    assert "| records per block | ms |" in out.with_suffix(".md").read_text()
