@@ -370,6 +370,17 @@ def test_a_forward_convolutions_gradients_cannot_hide_a_records_norm(case, monke
     assert calls, "the forward convolution was not taken"
 
 
+def _force_conv_route(monkeypatch, route: str) -> None:
+    """Every convolution of one group forms its per-sample weight gradients by one forward convolution
+    (``"forward"``, whatever its channels and strides) or by the grouped convolution's weight gradient
+    (``"grouped"``)."""
+    if route == "forward":
+        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", math.inf)
+        monkeypatch.setattr(conv, "FORWARD_MAX_STRIDE", math.inf)
+    else:
+        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", 0)
+
+
 @pytest.mark.parametrize("case", [BY_NAME["conv1d_grouped"], BY_NAME["conv2d_grouped"]], ids=lambda c: c.name)
 @pytest.mark.parametrize("route", ["forward", "grouped"])
 @pytest.mark.parametrize("step", [2, 4])
@@ -378,11 +389,7 @@ def test_per_sample_convolutions_in_record_blocks_cannot_hide_a_records_norm(cas
     or 4 here, so that the attacks' seven records split, the attacked one, last, alone or with two others), by either
     route: the cancelling and the huge records of the tests above, on the CPU."""
     monkeypatch.setattr(conv, "SHAPE_STEP", step)
-    if route == "forward":
-        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", math.inf)
-        monkeypatch.setattr(conv, "FORWARD_MAX_STRIDE", math.inf)
-    else:
-        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", 0)
+    _force_conv_route(monkeypatch, route)
     blocks = []
     record_blocks = conv.record_blocks
     monkeypatch.setattr(conv, "record_blocks", lambda n: blocks.append(len(record_blocks(n))) or record_blocks(n))
@@ -405,11 +412,7 @@ def test_recomputed_convolution_sums_cannot_hide_a_records_norm(case, route, mon
     cuts = []
     weight_grad_blocks = conv.weight_grad_blocks
     monkeypatch.setattr(conv, "weight_grad_blocks", lambda n, per: cuts.append(weight_grad_blocks(n, per)) or cuts[-1])
-    if route == "forward":
-        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", math.inf)
-        monkeypatch.setattr(conv, "FORWARD_MAX_STRIDE", math.inf)
-    else:
-        monkeypatch.setattr(conv, "FORWARD_MAX_CHANNELS", 0)
+    _force_conv_route(monkeypatch, route)
     sums = []
     weighted_sum = conv._PerSampleWeightGrads.weighted_sum
     monkeypatch.setattr(

@@ -202,24 +202,8 @@ class _PerSampleWeightGrads:
             source[rows], target[rows], self.weight_shape, self.layer.groups, self.stride, self.padding, self.dilation
         )
 
-    def of_call(self, x: Tensor, g: Tensor) -> Tensor:
-        """One call's per-sample weight gradients, ``[n, *weight.shape]``, convolved in :func:`weight_grad_blocks`."""
-        if self.n == 0:
-            # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
-            # groups, which the convolution refuses; no record, so no per-sample gradient
-            return g.new_zeros(0, *self.weight_shape)
-        blocks = weight_grad_blocks(self.n, math.prod(self.weight_shape))
-        if len(blocks) == 1:
-            return self.of_rows(x, g, blocks[0]).reshape(self.n, *self.weight_shape)
-        # each block written into its rows and let go: the batch's gradients are alive once, not twice as in a join
-        held = g.new_empty(self.n, *self.weight_shape)
-        for rows in blocks:
-            held[rows] = self.of_rows(x, g, rows).reshape(-1, *self.weight_shape)
-        return held
-
     def of_records(self, rows: slice) -> Tensor:
-        """The per-sample weight gradients of the records ``rows``, summed over the calls in their order (the same
-        additions as :func:`~lightning_oso.per_sample.parts.accumulate` makes of whole calls)."""
+        """The per-sample weight gradients of the records ``rows``, summed over the calls in their order."""
         total: Tensor | None = None
         for x, g in self.calls:
             block = self.of_rows(x, g, rows)
@@ -228,11 +212,18 @@ class _PerSampleWeightGrads:
         return total
 
     def held(self) -> Tensor:
-        """Every record's per-sample weight gradient, ``[n, *weight.shape]`` (a tied weight's share)."""
+        """Every record's per-sample weight gradient, ``[n, *weight.shape]``, formed in :func:`weight_grad_blocks`;
+        each block is written into its rows and let go, so the batch's gradients are alive once, never twice as in a
+        join."""
         if self.n == 0:
+            # an empty Poisson batch (a legitimate draw, e^-B likely per step): the batch as groups would be zero
+            # groups, which the convolution refuses; no record, so no per-sample gradient
             return self.calls[0][1].new_zeros(0, *self.weight_shape)
+        blocks = weight_grad_blocks(self.n, math.prod(self.weight_shape))
+        if len(blocks) == 1:
+            return self.of_records(blocks[0]).reshape(self.n, *self.weight_shape)
         held = self.calls[0][1].new_empty(self.n, *self.weight_shape)
-        for rows in weight_grad_blocks(self.n, math.prod(self.weight_shape)):
+        for rows in blocks:
             held[rows] = self.of_records(rows).reshape(-1, *self.weight_shape)
         return held
 
@@ -321,13 +312,12 @@ class RecomputedSums(Instantiated):
         grads: dict[Tensor, Tensor],
         bounds: dict[Tensor, Tensor],
         errors: dict[Tensor, Tensor],
-        batch_size: int,
     ) -> None:
         super().__init__(grads, bounds=bounds, errors=errors)
         self.weight_grads = weight_grads
         self.weight: Tensor | None = weight_grads.layer.weight
         _, g = weight_grads.calls[0]
-        self.dtype, self.batch_size, self.device = g.dtype, batch_size, g.device
+        self.dtype, self.batch_size, self.device = g.dtype, weight_grads.n, g.device
 
     def sq_norms(self) -> Tensor:
         if self.weight is None:  # handed over to a tied part
@@ -397,11 +387,11 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
     calls = [(x.to(g.dtype), g) for x, g in zip(xs, backprops)]
     weight_grads = _PerSampleWeightGrads(layer, calls, stride, padding, dilation)
     recompute = layer.weight.requires_grad and _sums_recomputed(layer, calls)  # shapes only, never values
+    if layer.weight.requires_grad and not recompute:  # a frozen weight's gradients are not formed
+        grads[layer.weight] = weight_grads.held()
     for x, g in calls:
         depth += math.prod((x if transposed else g).shape[2:])  # the positions summed: the convolution's output's
         depth_bias += math.prod(g.shape[2:])
-        if not recompute:
-            accumulate(grads, layer.weight, weight_grads.of_call(x, g))
         if layer.bias is not None:
             accumulate(grads, layer.bias, g.sum(dim=tuple(range(2, g.dim()))))
         norm_x, norm_g = nb.sq_norm_upper(x).sqrt_(), nb.sq_norm_upper(g).sqrt_()  # NaN where not finite
@@ -424,5 +414,5 @@ def conv(layer: _ConvNd, inputs: list[tuple], backprops: list[Tensor]) -> OuterP
         errors[layer.bias] = (g_t * r_bias).mul_(nb.F64).add_(absolute)
         bounds[layer.bias] = torch.minimum(r_bias * (1 + g_t), held.add_(r_bias, alpha=g_t)).add_(absolute)
     if recompute:
-        return RecomputedSums(weight_grads, grads, bounds=bounds, errors=errors, batch_size=n)
+        return RecomputedSums(weight_grads, grads, bounds=bounds, errors=errors)
     return Instantiated(grads, bounds=bounds, errors=errors)
