@@ -17,14 +17,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/digits_oso.py
 
-# every test, on all cores (pytest-xdist: one worker per core, each test on one torch thread, tests/conftest.py)
+# every test, on all cores (pytest-xdist: one worker per core, each test on one torch thread, the slow ones first;
+# a worker out of tests takes half of another's queue: tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 # the quick loop while editing: every test but those marked slow (DDP, example smoke runs, audits, long schedules;
 # see the markers in pyproject.toml). `make test` still runs them all.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n auto -m "not slow"
+	$(PY) -m pytest -q -n auto --dist worksteal -m "not slow"
 
 # what .ci/run checks besides the tests: lint and format (ruff), types (mypy, on lightning_oso/)
 lint: $(STAMP)

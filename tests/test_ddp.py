@@ -1,10 +1,13 @@
 """DP training on Lightning's DDP: 2 CPU processes with the gloo backend (tests/ddp_worker.py runs them).
 
-Each test starts the worker script, which Lightning relaunches for rank 1; the processes write what they ended with,
-and the tests compare the processes with each other and with a single-process run of the same settings.
+The worker script runs every scenario once per test session (``ddp_runs``: one launch, which Lightning relaunches for
+rank 1, each scenario its own Trainer in the same two processes); the processes write what they ended with, and the
+tests compare the processes with each other and with a single-process run of the same settings.
 """
 
+import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from helpers import ToyModel, make_trainer, toy_loader
 from torch import nn
 
@@ -25,20 +29,43 @@ from lightning_oso.validation import PrivacyConfigurationError
 WORKER = Path(__file__).parent / "ddp_worker.py"
 
 
-def _launch(scenario, out, *extra, expect_failure=False):
+def _launch_refused(scenario, out):
+    """One scenario alone, which must fail (``sum``, tests/test_checks.py): its completed process."""
     result = subprocess.run(
-        [sys.executable, str(WORKER), scenario, str(out), *extra],
+        [sys.executable, str(WORKER), scenario, str(out)],
         capture_output=True,
         text=True,
         timeout=240,
         cwd=Path(__file__).parent.parent,
     )
-    if expect_failure:
-        assert result.returncode != 0, result.stdout[-2000:]
-        return result
-    assert result.returncode == 0, result.stderr[-4000:]
-    suffix = f"_{extra[0]}" if extra else ""
+    assert result.returncode != 0, result.stdout[-2000:]
+    return result
+
+
+def _results(out, suffix=""):
     return [torch.load(out / f"rank{r}{suffix}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="session")
+def ddp_runs(tmp_path_factory):
+    """The folder of ``ddp_worker.py all``'s results: launched once per test session, by whichever test process needs
+    it first (the others wait on the lock and read the same results, or the same failure)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder, under xdist
+    out, status = shared / "ddp_runs", shared / "ddp_runs.json"
+    with FileLock(str(shared / "ddp_runs.lock")):
+        if not status.exists():
+            result = subprocess.run(
+                [sys.executable, str(WORKER), "all", str(out)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                cwd=Path(__file__).parent.parent,
+            )
+            status.write_text(json.dumps({"returncode": result.returncode, "stderr": result.stderr[-4000:]}))
+    launched = json.loads(status.read_text())
+    assert launched["returncode"] == 0, launched["stderr"]
+    return out
 
 
 def _same_on_every_process(ranks, keys):
@@ -49,11 +76,11 @@ def _same_on_every_process(ranks, keys):
 
 
 @pytest.mark.slow
-def test_processes_stay_identical_and_spend_what_one_process_would(tmp_path):
+def test_processes_stay_identical_and_spend_what_one_process_would(ddp_runs):
     """OSO with momentum on 2 processes, stopped by the budget: parameters, C_t, rho_t, steps and epsilon are the
     same on both; each process saw only its shard; the accountant saw the global rate, and the run spent exactly
     what one process with the global batch size spends."""
-    ranks = _launch("train", tmp_path)
+    ranks = _results(ddp_runs / "train")
     _same_on_every_process(ranks, ["clip", "lr", "steps", "epsilon", "max_steps", "stop_reason"])
     run = ranks[0]
     assert run["world_size"] == 2 and run["stop_reason"]  # stopped by the budget, on both processes
@@ -72,11 +99,11 @@ def test_processes_stay_identical_and_spend_what_one_process_would(tmp_path):
 
 
 @pytest.mark.slow
-def test_accumulated_micro_batches_make_one_step_across_processes(tmp_path):
+def test_accumulated_micro_batches_make_one_step_across_processes(ddp_runs):
     """accumulate_grad_batches=2 on 2 processes: each process runs 2 micro-batches of its shard per optimizer step,
     the processes stay identical (one all-reduce per optimizer step), and the run is accounted as one process with
     the global logical batch: q = 2 * 5 * 2 / 200, ceil(N / qN) = 10 optimizer steps an epoch."""
-    ranks = _launch("accumulate", tmp_path)
+    ranks = _results(ddp_runs / "accumulate")
     _same_on_every_process(ranks, ["clip", "lr", "steps", "epsilon", "sample_rate"])
     run = ranks[0]
     assert run["sample_rate"] == pytest.approx(0.1) and run["steps"] == 2 * 10
@@ -90,10 +117,10 @@ def test_accumulated_micro_batches_make_one_step_across_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_noise_is_added_once_globally(tmp_path):
+def test_noise_is_added_once_globally(ddp_runs):
     """Zero gradients, one step with lr 1: the weights move by the noise alone, std nu C / B with B the global
     expected batch size, as on one process. Noise added by each process would show sqrt(2) times that."""
-    ranks = _launch("noise", tmp_path)
+    ranks = _results(ddp_runs / "noise")
     _same_on_every_process(ranks, ["steps"])
     delta = torch.cat([(a - b).flatten() for a, b in zip(ranks[0]["params"], ranks[0]["initial"])])
     expected = 2.0 * 0.5 / 20.0  # nu * C / (q N)
@@ -113,12 +140,13 @@ def test_noise_is_added_once_globally(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(tmp_path):
+def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(ddp_runs):
     """deterministic_resume across processes: an interrupted run resumed from its checkpoint ends where the
     uninterrupted one ends, on every process (the ledger, written by rank 0, charges the same steps on all)."""
-    full = _launch("resume", tmp_path / "full")
-    _launch("resume", tmp_path, "part")  # one epoch, its checkpoint
-    resumed = _launch("resume", tmp_path, "load")  # from it, to 4 epochs
+    full = _results(ddp_runs / "resume" / "full")
+    # the interrupted run (one epoch, its checkpoint: "_part"), then the run resumed from it to 4 epochs
+    assert _results(ddp_runs / "resume", "_part")[0]["steps"] == 10
+    resumed = _results(ddp_runs / "resume", "_load")
     _same_on_every_process(resumed, ["clip", "lr", "steps", "epsilon"])
     assert resumed[0]["steps"] == full[0]["steps"] == 40
     for key in ("clip", "lr", "epsilon", "noise_multiplier"):
@@ -128,10 +156,10 @@ def test_resume_on_several_processes_ends_where_the_uninterrupted_run_ends(tmp_p
 
 
 @pytest.mark.slow
-def test_non_finite_gradient_on_one_process_stops_no_process(tmp_path):
+def test_non_finite_gradient_on_one_process_stops_no_process(ddp_runs):
     """An inf input on rank 1 only: the record gets weight 0 there, and both processes take every step and end
     identical (nothing tells one process, or the user, that a record was zeroed)."""
-    ranks = _launch("nan", tmp_path)
+    ranks = _results(ddp_runs / "nan")
     _same_on_every_process(ranks, ["clip", "lr", "steps", "epsilon"])
     assert ranks[0]["steps"] == 10
     assert all(torch.isfinite(p).all() for p in ranks[0]["params"])
