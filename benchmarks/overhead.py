@@ -996,7 +996,9 @@ def main() -> None:
         args.calibration_steps, args.opacus_calibration_max_steps = [1000, 100_000], 1000
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     out = Path(args.out or f"benchmarks/results/overhead_{args.device.split(':')[0]}")
-    keys = [(m, b, p) for m in args.models for b in args.batch_sizes for p in args.precision]
+    # every model at every batch size and precision, each setting once (a model or batch size named twice would run
+    # twice per repeat, its steps pooled, and be reported twice)
+    keys = list(dict.fromkeys((m, b, p) for m in args.models for b in args.batch_sizes for p in args.precision))
 
     def chosen(model: str) -> tuple[str, ...]:
         if args.variants is None:
