@@ -533,21 +533,29 @@ def flat_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     return torch.stack(products).sum()
 
 
-#: The most coordinates :func:`dot_in_float64` converts to float64 at once (1 MB): a converted copy of a whole model
-#: would be fresh pages at every step, and a model-sized temporary at OSO's memory peak.
+#: The most coordinates :func:`dot_in_float64` converts to float64 at once on a CPU (1 MB): a converted copy of a
+#: whole model would be fresh pages at every step, and a model-sized temporary at OSO's memory peak.
 FLOAT64_CHUNK = 1 << 17
+
+#: The same on an accelerator (128 MB of float64, as the norm bounds' ``ACCELERATOR_NORM_CHUNK``): its caching
+#: allocator reuses the block, so no fresh pages, while each chunk costs two kernel launches (in chunks of ``2^17``, one
+#: product over a model of 124 million parameters took about 1,900 of them; in chunks of ``2^24``, 16).
+ACCELERATOR_FLOAT64_CHUNK = 1 << 24
+
+
+def float64_chunk(device: torch.device) -> int:
+    """How many coordinates :func:`dot_in_float64` converts at once on ``device``."""
+    return FLOAT64_CHUNK if device.type == "cpu" else ACCELERATOR_FLOAT64_CHUNK
 
 
 def dot_in_float64(a: Tensor, b: Tensor) -> Tensor:
     """``a . b`` for a flat float64 ``a`` and a flat ``b`` of any float dtype, in float64 (``b`` converted exactly, a
-    chunk of :data:`FLOAT64_CHUNK` at a time), as a 0-dim tensor. (Converting into one reused buffer instead made the
-    release's own float64 copy, in the same step, slower on a CPU: 1.14 against 0.63 ms on the MLP.)"""
-    if b.dtype == torch.float64 or b.numel() <= FLOAT64_CHUNK:
+    chunk of :func:`float64_chunk` coordinates at a time), as a 0-dim tensor. (Converting into one reused buffer instead
+    made the release's own float64 copy, in the same step, slower on a CPU: 1.14 against 0.63 ms on the MLP.)"""
+    chunk = float64_chunk(b.device)  # the device alone: never the values
+    if b.dtype == torch.float64 or b.numel() <= chunk:
         return torch.dot(a, b.to(torch.float64))
-    parts = [
-        torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))
-        for i in range(0, b.numel(), FLOAT64_CHUNK)
-    ]
+    parts = [torch.dot(a[i : i + chunk], b[i : i + chunk].to(torch.float64)) for i in range(0, b.numel(), chunk)]
     return torch.stack(parts).sum()
 
 

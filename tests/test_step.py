@@ -302,6 +302,29 @@ def test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot(monkeypatc
     assert step.dot_in_float64(a, b.double()).dtype == torch.float64
 
 
+def test_dot_in_float64_takes_a_devices_own_chunks():
+    """On a CPU the conversion goes ``FLOAT64_CHUNK`` coordinates at a time (fresh pages otherwise); on any other
+    device ``ACCELERATOR_FLOAT64_CHUNK`` at a time, where each chunk is two kernel launches: a model of 2^20 float32
+    coordinates takes 8 dot products on a CPU and one on an accelerator. Counted on the meta device (shapes only), which
+    stands for an accelerator here, as every operator the product calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountDots(TorchDispatchMode):
+        dots = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.dots += func is torch.ops.aten.dot.default
+            return func(*args, **(kwargs or {}))
+
+    assert step.float64_chunk(torch.device("cpu")) == step.FLOAT64_CHUNK == 2**17
+    assert step.float64_chunk(torch.device("cuda")) == step.ACCELERATOR_FLOAT64_CHUNK == 2**24
+    for device, dots in (("cpu", 8), ("meta", 1)):
+        a, b = torch.zeros(2**20, dtype=torch.float64, device=device), torch.zeros(2**20, device=device)
+        with CountDots() as counted:
+            result = step.dot_in_float64(a, b)
+        assert (counted.dots, result.dtype, result.device.type) == (dots, torch.float64, device)
+
+
 def test_a_deferred_query_keeps_its_own_row_and_reads_it_through_one_vector():
     """Once kept, the deferred query holds its row of the step's sums (so the step's other rows can be let go) as
     one flat copy, with a per-parameter view of it for the materialised query: editing the step's sums afterwards

@@ -740,8 +740,8 @@ MUTANTS = (
     Mutant(
         "direction_projection_reads_one_chunk_again",
         "lightning_oso/step.py",
-        "torch.dot(a[i : i + FLOAT64_CHUNK], b[i : i + FLOAT64_CHUNK].to(torch.float64))",
-        "torch.dot(a[i : i + FLOAT64_CHUNK], b[:FLOAT64_CHUNK].to(torch.float64))",
+        "torch.dot(a[i : i + chunk], b[i : i + chunk].to(torch.float64))",
+        "torch.dot(a[i : i + chunk], b[:chunk].to(torch.float64))",
         ("tests/test_step.py::test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot",),
         "the direction query's projection pairs every chunk of g~ with the first chunk of S: one record's share is "
         "read several times, beyond the scalar's sensitivity of 1",
