@@ -6,15 +6,21 @@ operations, whose OpenMP threads may still hold the cores, so its gain there is 
 - ``split``: the release's draw as the library makes it;
 - ``in order``: the same stream read in order by the calling thread (its word source without ``split``).
 
+With ``--compare grid``, the release's grid indices instead (``exact_noise.grid_index_of``):
+
+- ``compiled``: one compiled pass per parameter that reads each sum once (the CPU's route);
+- ``torch``: a float64 copy of the sums and torch's division, rounding and clamp over it (the accelerators' route),
+  the same values bit for bit.
+
 One process trains OSO (``OSODP``, fast path) through Lightning on a benchmark model (``benchmarks/overhead.py``),
 its steps alternating between the two in pairs (AABB...), so that each variant follows each equally often and machine
-noise hits both alike; the first steps are dropped. The variants draw different words, not a different law, so the
-training is the same in distribution.
+noise hits both alike; the first steps are dropped. The split variants draw different words, not a different law, so
+the training is the same in distribution; the grid variants release the same values.
 
-    python benchmarks/noise_in_step.py [--model mlp] [--batch-size 256] [--steps 200] [--threads 2]
+    python benchmarks/noise_in_step.py [--compare split] [--model mlp] [--batch-size 256] [--steps 200] [--threads 2]
 
 Prints a table (median and quartiles per variant, the ratio of medians) and writes
-``benchmarks/results/noise_in_step_<model>_threads<threads>.json``.
+``benchmarks/results/noise_in_step_<model>_threads<threads>.json`` (``grid_in_step_...`` for ``--compare grid``).
 """
 
 from __future__ import annotations
@@ -36,22 +42,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from noise_generation import in_order
 from overhead import BENCHMARKED, _Module, fit_quietly, loss_of, synthetic_data
 
-from lightning_oso import OSODP, step
+from lightning_oso import OSODP, exact_noise, step
 
 WARM_UP = 6
-VARIANTS = ("split", "in order")
+#: the two variants each comparison alternates, the library's own first
+COMPARISONS = {"split": ("split", "in order"), "grid": ("compiled", "torch")}
+#: ``exact_noise._COMPILED_GRID`` for each grid variant
+GRID_DTYPES = {"compiled": exact_noise._COMPILED_GRID, "torch": ()}
 
 
 class _Alternate(L.Callback):
-    """Picks each step's variant (pairs: AABB...) and times the step from batch start to batch end."""
+    """Picks each step's variant (pairs: AABB...) and times the step from batch start to batch end; for the grid
+    comparison, sets the grid index's route for the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, compare: str = "split") -> None:
+        self.compare, self.variants = compare, COMPARISONS[compare]
         self.step, self.started = 0, 0.0
-        self.variant = VARIANTS[0]
-        self.times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        self.variant = self.variants[0]
+        self.times: dict[str, list[float]] = {v: [] for v in self.variants}
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self.variant = VARIANTS[(self.step // 2) % 2]
+        self.variant = self.variants[(self.step // 2) % 2]
+        if self.compare == "grid":
+            exact_noise._COMPILED_GRID = GRID_DTYPES[self.variant]
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
@@ -62,6 +75,7 @@ class _Alternate(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", default="split", choices=sorted(COMPARISONS))
     parser.add_argument("--model", default="mlp", choices=sorted(BENCHMARKED))
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
@@ -70,12 +84,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    clock = _Alternate()
+    clock = _Alternate(args.compare)
     words_of = step.words_of
 
     def chosen_words(generator: Any) -> Any:
         words = words_of(generator)
-        return words if clock.variant == "split" else in_order(words)
+        return in_order(words) if clock.variant == "in order" else words
 
     model_cls = BENCHMARKED[args.model]
     torch.manual_seed(0)
@@ -88,8 +102,10 @@ def main() -> None:
         )
     finally:
         step.words_of = words_of
+        exact_noise._COMPILED_GRID = GRID_DTYPES["compiled"]
 
     rows = {}
+    first, second = clock.variants
     print(f"{args.model} B={args.batch_size}, {args.threads} threads, OSO steps alternating in pairs")
     print(f"{'variant':10s} {'steps':>6s} {'median ms':>10s} {'q1':>8s} {'q3':>8s}")
     for variant, times in clock.times.items():
@@ -98,11 +114,14 @@ def main() -> None:
                          "q3_ms": ms[3 * len(ms) // 4]}  # fmt: skip
         r = rows[variant]
         print(f"{variant:10s} {r['steps']:6d} {r['median_ms']:10.2f} {r['q1_ms']:8.2f} {r['q3_ms']:8.2f}")
-    ratio = rows["split"]["median_ms"] / rows["in order"]["median_ms"]
-    print(f"split / in order: {ratio:.3f}")
-    out = Path(args.out or Path(__file__).parent / "results" / f"noise_in_step_{args.model}_threads{args.threads}.json")
-    config = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps, "threads": args.threads}
-    out.write_text(json.dumps({"config": config, "variants": rows, "split_over_in_order": ratio}, indent=2) + "\n")
+    ratio = rows[first]["median_ms"] / rows[second]["median_ms"]
+    print(f"{first} / {second}: {ratio:.3f}")
+    name = "noise_in_step" if args.compare == "split" else "grid_in_step"
+    out = Path(args.out or Path(__file__).parent / "results" / f"{name}_{args.model}_threads{args.threads}.json")
+    config = {"compare": args.compare, "model": args.model, "batch_size": args.batch_size, "steps": args.steps,
+              "threads": args.threads}  # fmt: skip
+    ratio_key = f"{first.replace(' ', '_')}_over_{second.replace(' ', '_')}"
+    out.write_text(json.dumps({"config": config, "variants": rows, ratio_key: ratio}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -43,7 +43,7 @@ import functools
 import itertools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -733,6 +733,61 @@ def _to_grid_index_(values: Tensor, step: Tensor) -> Tensor:
     return values.div_(step).round_().clamp_(-MAX_GRID_INDEX, MAX_GRID_INDEX)
 
 
+#: Coordinates per task of :func:`grid_index_of`'s compiled pass (1 MB of float64 written): threads take tasks in
+#: turn, so the parts of a model, large and small, are spread evenly over them.
+_GRID_TASK = 2**17
+
+
+def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
+    """The grid indices of the parts' rows laid end to end, ``[rows, sum_p k_p]`` float64 for ``[rows, k_p]`` parts
+    and one grid step per row (``step``, ``[rows, 1]``, powers of two from :func:`power_of_two`): what
+    :func:`_to_grid_index_` makes of the parts' float64 copy, bit for bit.
+
+    On a CPU, float32 and float64 parts go through one compiled pass each
+    (:func:`lightning_oso.exact_noise_kernel.grid_index_into`: each entry read once, converted, divided, rounded and
+    clamped as it is written), in tasks of :data:`_GRID_TASK` coordinates on torch's intra-op threads, where the copy
+    and torch's three passes over it write the model-sized float64 tensor four times and read it three
+    (``benchmarks/noise_in_step.py --compare grid``). Any other dtype or device: the copy and the three passes. Which
+    route and which thread depends on the settings alone."""
+    rows = step.shape[0]
+    device = step.device
+    sizes = [p.shape[1] for p in parts]
+    index = torch.empty(rows, sum(sizes), dtype=torch.float64, device=device)
+    columns = index.split(sizes, dim=1)
+    compiled = device.type == "cpu" and _COMPILED_ON_CPU and all(p.dtype in _COMPILED_GRID for p in parts)
+    if not compiled:
+        for column, part in zip(columns, parts):  # converted on the way (exact from any narrower float)
+            column.copy_(part)
+        return _to_grid_index_(index, step)
+    from lightning_oso import exact_noise_kernel as kernel  # numba compiles (or loads) the pass on first use
+
+    steps = step.reshape(-1).tolist()  # host floats of a CPU tensor: powers of two, no device read
+    sources = [p.detach().contiguous().numpy() for p in parts]
+    target = index.numpy()  # shares memory: the pass writes the tensor
+    tasks = [
+        (source[r, start : start + _GRID_TASK], target[r, offset + start : offset + min(start + _GRID_TASK, size)], s)
+        for source, size, offset in zip(sources, sizes, itertools.accumulate([0, *sizes]))
+        for r, s in enumerate(steps)
+        for start in range(0, size, _GRID_TASK)
+    ]
+    threads = min(torch.get_num_threads(), len(tasks))
+    claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
+
+    def run_tasks() -> None:
+        while (k := next(claims)) < len(tasks):
+            kernel.grid_index_into(*tasks[k], float(MAX_GRID_INDEX))
+
+    helpers = [_pool(threads - 1).submit(run_tasks) for _ in range(threads - 1)] if threads > 1 else []
+    run_tasks()  # the calling thread takes tasks too
+    for done in helpers:
+        done.result()  # re-raises a helper's error
+    return index
+
+
+#: The sums' dtypes :func:`grid_index_of` passes to its compiled pass on a CPU (numpy has no bfloat16).
+_COMPILED_GRID = (torch.float32, torch.float64)
+
+
 def on_grid(values: Tensor, exponent: Tensor) -> Tensor:
     """``values`` rounded onto the grid ``2^exponent`` (:func:`grid_index` times the step; float64, exact)."""
     step = power_of_two(exponent, values.device)
@@ -769,10 +824,23 @@ def release_on_grid(values: Tensor, std: Tensor, words: Words) -> Tensor:
 
 
 def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
-    """:func:`release_on_grid` in place on ``values``, a float64 tensor the caller owns (the release's own copy of
-    the sums: no model-sized temporary beyond the noise's)."""
+    """:func:`release_on_grid` in place on ``values``, a float64 tensor the caller owns."""
     step = power_of_two(grid_exponent(std), values.device)  # gamma
-    index = _to_grid_index_(values, step)
+    return _noise_on_grid_(_to_grid_index_(values, step), std, step, words)
+
+
+def release_rows_on_grid(parts: Sequence[Tensor], std: Tensor, words: Words) -> Tensor:
+    """:func:`release_on_grid` of the parts' rows laid end to end: ``parts`` are ``[rows, k_p]`` tensors (any float
+    dtype, one device), ``std`` is ``[rows, 1]`` (a grid per row); returns the new float64 ``[rows, sum_p k_p]``,
+    part ``p`` in its columns, the same values bit for bit as :func:`release_on_grid_` of the parts' float64 copy.
+    The release's one model-sized float64 tensor: the grid indices are written straight into it
+    (:func:`grid_index_of`), the noise added and the step applied in place."""
+    step = power_of_two(grid_exponent(std), std.device)  # gamma, one per row
+    return _noise_on_grid_(grid_index_of(parts, step), std, step, words)
+
+
+def _noise_on_grid_(index: Tensor, std: Tensor, step: Tensor, words: Words) -> Tensor:
+    """``step * (index + Z)`` in place on the grid indices ``index``, ``Z ~ N_Z(0, (std / step)^2)``."""
     # std / gamma in [2^30, 2^31), exact: gamma is a float64 number wherever 2^-exponent is (and below, to 2^-1074)
     scale = std.to(device=index.device, dtype=torch.float64) / step
     with record_function("lightning_oso.noise"):

@@ -1,4 +1,5 @@
-"""The discrete Gaussian sampler's CPU path: one compiled pass over the words.
+"""The exact release's CPU path: the discrete Gaussian sampler as one compiled pass over the words, and the sums'
+grid indices as one compiled pass over the sums (:func:`grid_index_into`).
 
 :func:`lightning_oso.exact_noise.discrete_gaussian` on an accelerator makes a dozen vectorised passes per chunk of
 draws, which costs a few kernel launches there; on a CPU those passes are most of a small model's private step. This
@@ -200,11 +201,33 @@ def _fill(
 fill: Callable[..., tuple[int, int, int, int]] = njit(cache=True, nogil=True)(_fill)
 
 
+def _grid_index_into(source: np.ndarray, out: np.ndarray, step: float, limit: float) -> None:
+    """``out[i] = clamp(round(source[i] / step), -limit, limit)`` in float64, for 1-d ``source`` (float32 or float64)
+    and ``out`` (float64) of one length: the grid index of ``exact_noise._to_grid_index_`` (the division by the
+    power of two ``step``, never a product with its inverse; the rounding half to even, as ``torch.round``; NaN stays
+    NaN, as through ``torch.clamp``) of the float64 value of each entry (exact from float32), in one pass that reads
+    the source once, where torch's conversion, division, rounding and clamp make four."""
+    for i in range(source.shape[0]):
+        index = np.rint(np.float64(source[i]) / step)
+        if index > limit:
+            index = limit
+        elif index < -limit:
+            index = -limit
+        out[i] = index
+
+
+#: :func:`_grid_index_into` compiled (cached on disk after the first process compiles it).
+grid_index_into: Callable[[np.ndarray, np.ndarray, float, float], None] = njit(cache=True, nogil=True)(_grid_index_into)
+
+
 def warm_up() -> None:
-    """Loads the compiled loop for both outputs the sampler writes (int64 draws, float64 grid indices), compiling it
-    on the first use ever, without drawing anything (no words, no draws wanted)."""
+    """Loads the compiled loop for both outputs the sampler writes (int64 draws, float64 grid indices), and the grid
+    index's pass for float32 and float64 sums, compiling them on the first use ever, without drawing anything (no
+    words, no draws wanted)."""
     words, state = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint64)
     table = (np.empty((0, 4), dtype=np.int64), words, words, np.empty(0, dtype=np.float64), 1.0, 62, 14, 26)
     pending = (np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64))
     for out, add in ((np.empty(0, dtype=np.int64), False), (np.empty(0, dtype=np.float64), True)):
         fill(out, add, 0, 0, words, 0, 0, state, words, 0, 0, state, *table, *pending)
+    for source in (np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float64)):  # the release's sums' dtypes
+        grid_index_into(source, np.empty(0, dtype=np.float64), 1.0, 1.0)

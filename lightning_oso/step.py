@@ -475,13 +475,10 @@ def add_gaussian_noise(sums: Sequence[Tensor], stds: Tensor, generator: Generato
         return []
     rows = sums[0].shape[0]
     sizes = [math.prod(s.shape[1:]) for s in sums]
-    # one float64 copy of all the rows, converted on the way (exact from any narrower float), released in place; each
-    # part copied into its columns (torch.cat with a float64 out= converts about seven times slower on a CPU)
-    flat = torch.empty(rows, sum(sizes), dtype=torch.float64, device=sums[0].device)
-    parts = flat.split(sizes, dim=1)
-    for part, s in zip(parts, sums):
-        part.copy_(s.reshape(rows, -1))
-    noisy = exact_noise.release_on_grid_(flat, stds.to(flat.device).reshape(rows, 1), words_of(generator))
+    # one float64 tensor of all the rows, each part's grid indices written into its columns, released in place
+    noisy = exact_noise.release_rows_on_grid(
+        [s.reshape(rows, -1) for s in sums], stds.to(sums[0].device).reshape(rows, 1), words_of(generator)
+    )
     return [part.reshape(s.shape) for part, s in zip(noisy.split(sizes, dim=1), sums)]
 
 

@@ -191,6 +191,82 @@ def test_the_release_is_the_grid_mechanism_at_every_noise_std(std):
     assert 2**30 <= scale < 2**31 and 0.9 < noise.std().item() / scale < 1.1
 
 
+def _grid_route(parts, step, compiled, monkeypatch, threads=2):
+    monkeypatch.setattr(exact_noise, "_COMPILED_ON_CPU", compiled)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return exact_noise.grid_index_of(parts, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _same_bits(a, b):
+    """Equal as float64 bit patterns (so ``-0.0`` is not ``0.0``), NaN where NaN."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int64), b[~nan].view(torch.int64))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_compiled_grid_index_is_the_torch_passes_bit_for_bit(threads, monkeypatch):
+    """On a CPU the release's grid indices come from one compiled pass per part (``exact_noise_kernel.grid_index_into``)
+    instead of a float64 copy and torch's division, rounding and clamp. Against the torch passes, bit for bit, for an
+    attacker's entries: signed zeros, float32 subnormals, exact ties of the grid (half to even), values past the
+    clamp, +-inf and NaN, float32 and float64 parts, on grids from ``2^-1074`` (a subnormal step, whose inverse is
+    infinite) to ``2^900``, a grid per row, the parts cut into tasks across threads."""
+    monkeypatch.setattr(exact_noise, "_GRID_TASK", 7)  # parts of 1 to 50 coordinates: tasks cross every boundary
+    generator = torch.Generator().manual_seed(3)
+    for exponent in (-1074, -1031, -149, -40, 0, 900):
+        step = torch.tensor([[math.ldexp(1.0, exponent)], [math.ldexp(1.0, exponent + 3)]], dtype=torch.float64)
+        gamma = float(step[0])
+        crafted = torch.tensor(
+            [0.0, -0.0, 2.0**-149, -(2.0**-149), 2.0**-130, math.inf, -math.inf, math.nan, 3.0e38, -3.0e38]
+            + [(k + 0.5) * gamma for k in (-3, -2, -1, 0, 1, 2)]  # exact ties where the step allows them
+            + [2.0**53 * gamma, -(2.0**60) * gamma, 1.0, -1.0],
+            dtype=torch.float64,
+        )
+        scaled = (
+            torch.randn(2, 50, dtype=torch.float64, generator=generator)
+            * gamma
+            * 2.0 ** torch.randint(-20, 60, (2, 50), generator=generator)
+        )
+        parts = [
+            crafted.repeat(2, 1).to(torch.float32),
+            scaled.to(torch.float32),
+            torch.zeros(2, 0),
+            crafted.repeat(2, 1),
+            scaled[:, :1],
+            scaled.to(torch.float32)[:, ::2],  # not contiguous
+        ]
+        compiled = _grid_route(parts, step, True, monkeypatch, threads)
+        torch_passes = _grid_route(parts, step, False, monkeypatch, threads)
+        assert compiled.shape == (2, sum(p.shape[1] for p in parts)) and compiled.dtype == torch.float64
+        assert _same_bits(compiled, torch_passes), exponent
+        assert torch.isnan(compiled).any() and (compiled.abs() == exact_noise.MAX_GRID_INDEX).any()
+
+
+def test_a_grid_index_part_without_a_compiled_route_takes_the_torch_passes(monkeypatch):
+    """bfloat16 and float16 sums (numpy has no bfloat16) are converted into the float64 tensor and indexed there, with
+    float32 parts beside them in the compiled pass: the same indices as the float64 values' own."""
+    step = torch.tensor([[2.0**-20]], dtype=torch.float64)
+    values = torch.randn(1, 300).mul_(10)
+    parts = [values[:, :100].to(torch.bfloat16), values[:, 100:200].to(torch.float16), values[:, 200:]]
+    expected = exact_noise.grid_index(torch.cat([p.to(torch.float64) for p in parts], dim=1), torch.tensor(-20))
+    assert _same_bits(_grid_route(parts, step, True, monkeypatch), expected)
+
+
+def test_rows_released_on_their_grids_are_the_release_of_their_float64_copy():
+    """``release_rows_on_grid`` (the release's route: the parts' grid indices written into one float64 tensor) gives
+    what ``release_on_grid_`` gives for the parts' float64 copy laid end to end, with the same words, bit for bit."""
+    generator = torch.Generator().manual_seed(9)
+    parts = [torch.randn(2, n, generator=generator) for n in (5, 300, 1)]
+    std = exact_noise.grid_noise_std(torch.tensor([[0.3], [7.0]], dtype=torch.float64), 1.0, 306)
+    key = np.random.SeedSequence(4)
+    rows = exact_noise.release_rows_on_grid(parts, std, KeyedWords(key))
+    copy = torch.cat([p.to(torch.float64) for p in parts], dim=1)
+    assert _same_bits(rows, exact_noise.release_on_grid_(copy, std, KeyedWords(key)))
+
+
 def test_powers_of_two_are_exact_over_float64s_whole_range():
     """The grid's factor ``2^e`` is exact for every exponent, as ``math.ldexp`` gives it: the normal range, the
     subnormals down to ``2^-1074``, 0 below and infinity above; from integer or float exponent tensors, any shape.
@@ -731,21 +807,25 @@ def test_a_small_draw_for_an_accelerator_is_the_compiled_loops_on_the_accelerato
 
 def test_prepare_loads_the_compiled_loop_for_both_outputs_and_draws_nothing():
     """``exact_noise.prepare`` (called by the DP callbacks when ``fit`` starts) leaves the CPU loop ready for the int64
-    draws and the float64 grid indices, so that no private step compiles or loads it; it takes no randomness (it has
+    draws and the float64 grid indices, and the grid index's pass for float32 and float64 sums, so that no private
+    step compiles or loads them; it takes no randomness (it has
     no word source). Checked in a fresh interpreter, where nothing has loaded the loop yet."""
     code = """
 import torch
 from lightning_oso import exact_noise, exact_noise_kernel
-assert len(exact_noise_kernel.fill.signatures) == 0
+kernels = (exact_noise_kernel.fill, exact_noise_kernel.grid_index_into)
+assert [len(k.signatures) for k in kernels] == [0, 0]
 exact_noise.prepare("cpu")
-loaded = len(exact_noise_kernel.fill.signatures)
+loaded = [len(k.signatures) for k in kernels]
 scale, words = torch.tensor(1.5 * 2**30, dtype=torch.float64), exact_noise.torch_words(None)
 exact_noise.discrete_gaussian((10,), scale, words)
 exact_noise.discrete_gaussian((10,), scale, words, add_to=torch.zeros(10, dtype=torch.float64))
-print(loaded, len(exact_noise_kernel.fill.signatures))
+step = torch.ones(2, 1, dtype=torch.float64)
+exact_noise.grid_index_of([torch.ones(2, 3), torch.ones(2, 4, dtype=torch.float64)], step)
+print(*loaded, *[len(k.signatures) for k in kernels])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["2", "2"]  # both loaded by prepare, none added by the draws
+    assert out.stdout.split() == ["2", "2", "2", "2"]  # all loaded by prepare, none added by the draws or the grid
 
 
 def test_a_kept_proposal_table_draws_what_a_freshly_built_one_draws():

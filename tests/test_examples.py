@@ -503,10 +503,39 @@ def test_noise_in_step_benchmark_alternates_the_split_and_the_in_order_draw(tmp_
     assert all(r["median_ms"] > 0 for r in result["variants"].values()) and result["split_over_in_order"] > 0
 
 
+def test_grid_in_step_benchmark_alternates_the_grid_indexs_routes(tmp_path, monkeypatch):
+    """``noise_in_step.py --compare grid`` trains OSO with its steps alternating in pairs between the compiled grid
+    index and torch's passes, puts the compiled route back when done, and writes each variant's steps and times."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import noise_in_step
+
+    from lightning_oso import exact_noise
+
+    compiled_by_step: list[bool] = []
+    grid_index_of = exact_noise.grid_index_of
+
+    def watched(parts, step):
+        if sum(p.shape[1] for p in parts) > 1000:  # the model-sized release of each step
+            compiled_by_step.append(bool(exact_noise._COMPILED_GRID))
+        return grid_index_of(parts, step)
+
+    monkeypatch.setattr(exact_noise, "grid_index_of", watched)
+    routes = exact_noise._COMPILED_GRID
+    out = tmp_path / "grid_in_step.json"
+    argv = ["noise_in_step.py", "--compare", "grid", "--batch-size", "8", "--steps", "10", "--threads", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    noise_in_step.main()
+    assert compiled_by_step == [True, True, False, False] * 2 + [True, True]
+    assert exact_noise._COMPILED_GRID == routes
+    result = json.loads(out.read_text())
+    assert {v: r["steps"] for v, r in result["variants"].items()} == {"compiled": 2, "torch": 2}
+    assert result["config"]["compare"] == "grid" and result["compiled_over_torch"] > 0
+
+
 def test_line_profile_attributes_the_operators_to_the_library_lines_that_call_them(tmp_path, monkeypatch):
     """The by-line profile of a private step: each operator's time goes to the library line that called it, so the
-    release's grid index (``exact_noise._to_grid_index_``: a division, a rounding and a clamp per step) and the
-    clipped sums show under their own lines, with their calls per timed step; the table and the JSON are written."""
+    release's scaling onto the grid (``exact_noise._noise_on_grid_``: one product per step) and the clipped sums show
+    under their own lines, with their calls per timed step; the table and the JSON are written."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import line_profile
 
@@ -519,10 +548,10 @@ def test_line_profile_attributes_the_operators_to_the_library_lines_that_call_th
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["timed_steps"] == 7 - line_profile.WARMUP
     lines = result["lines"]
-    source, first = inspect.getsourcelines(exact_noise._to_grid_index_)
-    index_line = first + next(i for i, text in enumerate(source) if "div_(" in text)
-    grid = lines[f"exact_noise.py:{index_line}"]["operators"]
-    assert {"div_", "round_", "clamp_"} <= set(grid) and grid["div_"]["calls"] == pytest.approx(1)
+    source, first = inspect.getsourcelines(exact_noise._noise_on_grid_)
+    scale_line = first + next(i for i, text in enumerate(source) if "index.mul_(step)" in text)
+    grid = lines[f"exact_noise.py:{scale_line}"]["operators"]
+    assert set(grid) == {"mul_"} and grid["mul_"]["calls"] == pytest.approx(1)
     assert any(line.startswith("per_sample/linear.py") for line in lines)
     assert result["operator_ms_per_step"] == pytest.approx(sum(entry["ms"] for entry in lines.values()))
     assert "| line | ms | calls |" in out.with_suffix(".md").read_text()
