@@ -762,7 +762,7 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
         return _to_grid_index_(index, step)
     from lightning_oso import exact_noise_kernel as kernel  # numba compiles (or loads) the pass on first use
 
-    steps = step.reshape(-1).tolist()  # host floats of a CPU tensor: powers of two, no device read
+    steps = step.reshape(-1).numpy().tolist()  # the CPU tensor's memory as host floats: no device read
     sources = [p.detach().contiguous().numpy() for p in parts]
     target = index.numpy()  # shares memory: the pass writes the tensor
     tasks = [
