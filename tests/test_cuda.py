@@ -1,7 +1,7 @@
 """The private step on a CUDA device: training in every precision Lightning offers there, the noise's law and its
 streams, the deferred direction query, and 16-bit mixed precision refused.
 
-CI has no GPU: this module runs on a machine with a CUDA device, e.g.
+CI has no GPU: this module runs on a machine with a CUDA device, e.g. ``make test-cuda PYTHON=...`` or
 ``python -m pytest tests/test_cuda.py tests/test_sensitivity.py`` (the crafted-record attacks of
 ``test_sensitivity.py`` also run on CUDA there, with IEEE float32 and with TF32 products). Without a CUDA device its
 tests are reported as skipped, not passed.
