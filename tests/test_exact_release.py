@@ -28,7 +28,7 @@ from scipy.stats import norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oso import OSODP, exact_noise, step
-from lightning_oso.clipping import FixedThresholdClipping
+from lightning_oso.clipping import FixedThresholdClipping, OSOClipping
 from lightning_oso.per_sample import TensorSource
 from lightning_oso.randomness import KeyedWords
 
@@ -265,6 +265,31 @@ def test_rows_released_on_their_grids_are_the_release_of_their_float64_copy():
     rows = exact_noise.release_rows_on_grid(parts, std, KeyedWords(key))
     copy = torch.cat([p.to(torch.float64) for p in parts], dim=1)
     assert _same_bits(rows, exact_noise.release_on_grid_(copy, std, KeyedWords(key)))
+
+
+@pytest.mark.parametrize("rule_name", ["fixed", "oso"])
+def test_a_step_releases_the_same_bits_through_either_grid_route(rule_name, monkeypatch):
+    """The whole release (``step.sanitise``) with the same noise, through the compiled grid index and through torch's
+    passes: the same released sums bit for bit, for an attacker's batch (a huge record, a near-cancelling pair, a
+    float32 subnormal, a NaN record and an infinite one) over parameters of several shapes, float32 and float64."""
+    n = 6
+    grads = [torch.randn(n, 3, 2, 2), torch.randn(n, 5), torch.randn(n, 1, dtype=torch.float64)]
+    for g in grads:
+        g[0] = 1e30  # huge: clipped to C
+        g[1], g[2] = 1e7, -1e7 + 1  # near-cancelling
+        g[3] = 2.0**-140  # a float32 subnormal
+    grads[1][4, 2] = math.nan
+    grads[0][5, 1, 0, 0] = math.inf
+    released = {}
+    for route in ("compiled", "torch"):
+        monkeypatch.setattr(
+            exact_noise, "_COMPILED_GRID", (torch.float32, torch.float64) if route == "compiled" else ()
+        )
+        rule = FixedThresholdClipping(1.0, clip=0.5) if rule_name == "fixed" else OSOClipping(1.0, initial_clip=0.5)
+        noise = step.gaussian_noise(torch.Generator().manual_seed(11))
+        released[route] = step.sanitise(TensorSource(grads), rule, expected_batch_size=5.0, add_noise=noise).sums
+    for compiled, torch_passes in zip(released["compiled"], released["torch"]):
+        assert torch.isfinite(compiled).all() and _same_bits(compiled, torch_passes)
 
 
 def test_powers_of_two_are_exact_over_float64s_whole_range():
