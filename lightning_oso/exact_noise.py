@@ -739,8 +739,8 @@ _GRID_TASK = 2**17
 
 
 def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
-    """The grid indices of the parts' rows laid end to end, ``[rows, sum_p k_p]`` float64 for ``[rows, k_p]`` parts
-    and one grid step per row (``step``, ``[rows, 1]``, powers of two from :func:`power_of_two`): what
+    """The grid indices of the parts' rows laid end to end, ``[rows, sum_p k_p]`` float64 for ``[rows, *shape_p]``
+    parts (``k_p`` entries a row, in row-major order) and one grid step per row (``step``, ``[rows, 1]``, powers of two from :func:`power_of_two`): what
     :func:`_to_grid_index_` makes of the parts' float64 copy, bit for bit.
 
     On a CPU, float32 and float64 parts go through one compiled pass each
@@ -752,18 +752,18 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
     rows = step.shape[0]
     device = parts[0].device if parts else step.device
     step = step.to(device)
-    sizes = [p.shape[1] for p in parts]
+    sizes = [math.prod(p.shape[1:]) for p in parts]
     index = torch.empty(rows, sum(sizes), dtype=torch.float64, device=device)
-    columns = index.split(sizes, dim=1)
     compiled = device.type == "cpu" and _COMPILED_ON_CPU and all(p.dtype in _COMPILED_GRID for p in parts)
     if not compiled:
-        for column, part in zip(columns, parts):  # converted on the way (exact from any narrower float)
-            column.copy_(part)
+        for column, part in zip(index.split(sizes, dim=1), parts):  # converted on the way (exact from any float)
+            column.copy_(part.reshape(rows, -1))
         return _to_grid_index_(index, step)
     from lightning_oso import exact_noise_kernel as kernel  # numba compiles (or loads) the pass on first use
 
-    steps = step.reshape(-1).numpy().tolist()  # the CPU tensor's memory as host floats: no device read
-    sources = [p.detach().contiguous().numpy() for p in parts]
+    # numpy views of the tensors' memory (no torch operation per parameter, no device read)
+    steps = step.numpy().reshape(-1).tolist()
+    sources = [_as_numpy(p).reshape(rows, -1) for p in parts]
     target = index.numpy()  # shares memory: the pass writes the tensor
     tasks = [
         (source[r, start : start + _GRID_TASK], target[r, offset + start : offset + min(start + _GRID_TASK, size)], s)
@@ -785,6 +785,13 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
     for done in helpers:
         done.result()  # re-raises a helper's error
     return index
+
+
+def _as_numpy(part: Tensor) -> np.ndarray:
+    """A CPU tensor's values as a C-contiguous numpy array, sharing its memory where it already is contiguous."""
+    if part.requires_grad:
+        part = part.detach()
+    return np.ascontiguousarray(part.numpy())
 
 
 #: The sums' dtypes :func:`grid_index_of` passes to its compiled pass on a CPU (numpy has no bfloat16).
@@ -833,9 +840,9 @@ def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
 
 
 def release_rows_on_grid(parts: Sequence[Tensor], std: Tensor, words: Words) -> Tensor:
-    """:func:`release_on_grid` of the parts' rows laid end to end: ``parts`` are ``[rows, k_p]`` tensors (any float
-    dtype, one device), ``std`` is ``[rows, 1]`` (a grid per row); returns the new float64 ``[rows, sum_p k_p]``,
-    part ``p`` in its columns, the same values bit for bit as :func:`release_on_grid_` of the parts' float64 copy.
+    """:func:`release_on_grid` of the parts' rows laid end to end: ``parts`` are ``[rows, *shape_p]`` tensors (any
+    float dtype, one device), ``std`` is ``[rows, 1]`` (a grid per row); returns the new float64
+    ``[rows, sum_p k_p]``, ``k_p`` the entries of a row of part ``p``, which come in its columns in row-major order, the same values bit for bit as :func:`release_on_grid_` of the parts' float64 copy.
     The release's one model-sized float64 tensor: the grid indices are written straight into it
     (:func:`grid_index_of`), the noise added and the step applied in place."""
     step = power_of_two(grid_exponent(std), std.device)  # gamma, one per row

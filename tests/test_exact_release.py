@@ -237,10 +237,12 @@ def test_the_compiled_grid_index_is_the_torch_passes_bit_for_bit(threads, monkey
             crafted.repeat(2, 1),
             scaled[:, :1],
             scaled.to(torch.float32)[:, ::2],  # not contiguous
+            scaled[:, :24].reshape(2, 4, 6),  # a parameter of several dimensions, its entries in row-major order
+            scaled[:, :24].reshape(2, 4, 6).transpose(1, 2).to(torch.float32),  # and not contiguous
         ]
         compiled = _grid_route(parts, step, True, monkeypatch, threads)
         torch_passes = _grid_route(parts, step, False, monkeypatch, threads)
-        assert compiled.shape == (2, sum(p.shape[1] for p in parts)) and compiled.dtype == torch.float64
+        assert compiled.shape == (2, sum(p[0].numel() for p in parts)) and compiled.dtype == torch.float64
         assert _same_bits(compiled, torch_passes), exponent
         assert torch.isnan(compiled).any() and (compiled.abs() == exact_noise.MAX_GRID_INDEX).any()
 
