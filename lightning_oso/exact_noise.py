@@ -740,8 +740,8 @@ _GRID_TASK = 2**17
 
 def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
     """The grid indices of the parts' rows laid end to end, ``[rows, sum_p k_p]`` float64 for ``[rows, *shape_p]``
-    parts (``k_p`` entries a row, in row-major order) and one grid step per row (``step``, ``[rows, 1]``, powers of two from :func:`power_of_two`): what
-    :func:`_to_grid_index_` makes of the parts' float64 copy, bit for bit.
+    parts (``k_p`` entries a row, in row-major order) and one grid step per row (``step``, ``[rows, 1]``, powers of
+    two from :func:`power_of_two`): what :func:`_to_grid_index_` makes of the parts' float64 copy, bit for bit.
 
     On a CPU, float32 and float64 parts go through one compiled pass each
     (:func:`lightning_oso.exact_noise_kernel.grid_index_into`: each entry read once, converted, divided, rounded and
@@ -842,9 +842,11 @@ def release_on_grid_(values: Tensor, std: Tensor, words: Words) -> Tensor:
 def release_rows_on_grid(parts: Sequence[Tensor], std: Tensor, words: Words) -> Tensor:
     """:func:`release_on_grid` of the parts' rows laid end to end: ``parts`` are ``[rows, *shape_p]`` tensors (any
     float dtype, one device), ``std`` is ``[rows, 1]`` (a grid per row); returns the new float64
-    ``[rows, sum_p k_p]``, ``k_p`` the entries of a row of part ``p``, which come in its columns in row-major order, the same values bit for bit as :func:`release_on_grid_` of the parts' float64 copy.
-    The release's one model-sized float64 tensor: the grid indices are written straight into it
-    (:func:`grid_index_of`), the noise added and the step applied in place."""
+    ``[rows, sum_p k_p]``, ``k_p`` the entries of a row of part ``p``, which come in its columns in row-major order:
+    the same values bit for bit as :func:`release_on_grid_` of the parts' float64 copy. The release's one model-sized
+    float64 tensor: the grid indices are written straight into it (:func:`grid_index_of`), the noise added and the
+    step applied in place."""
+    std = std.to(parts[0].device) if parts else std
     step = power_of_two(grid_exponent(std), std.device)  # gamma, one per row
     return _noise_on_grid_(grid_index_of(parts, step), std, step, words)
 
