@@ -532,6 +532,29 @@ def test_grid_in_step_benchmark_alternates_the_grid_indexs_routes(tmp_path, monk
     assert result["config"]["compare"] == "grid" and result["compiled_over_torch"] > 0
 
 
+def test_grid_index_benchmark_times_both_routes_and_checks_they_agree(tmp_path, monkeypatch):
+    """The grid index benchmark times the compiled pass and torch's passes on the same sums, finds them equal, puts
+    the compiled route back, and writes both figures; a route that disagreed would stop it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import grid_index
+
+    from lightning_oso import exact_noise
+
+    routes = exact_noise._COMPILED_GRID
+    out = tmp_path / "grid_index"
+    argv = ["grid_index.py", "--shapes", "3000", "--repeats", "2", "--threads", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    grid_index.main()
+    assert exact_noise._COMPILED_GRID == routes
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["config"]["coordinates"] == 3000 and set(result["ms"]) == {"compiled", "torch"}
+    assert all(ms > 0 for ms in result["ms"].values()) and "compiled / torch" in out.with_suffix(".md").read_text()
+    calls = iter([torch.zeros(1, 3000), torch.ones(1, 3000)] * 3)  # the two routes' last results differ
+    monkeypatch.setattr(exact_noise, "grid_index_of", lambda parts, step: next(calls))
+    with pytest.raises(AssertionError, match="differs"):
+        grid_index.time_routes([torch.ones(1, 3000)], torch.ones(1, 1, dtype=torch.float64), repeats=1)
+
+
 def test_line_profile_attributes_the_operators_to_the_library_lines_that_call_them(tmp_path, monkeypatch):
     """The by-line profile of a private step: each operator's time goes to the library line that called it, so the
     release's scaling onto the grid (``exact_noise._noise_on_grid_``: one product per step) and the clipped sums show
