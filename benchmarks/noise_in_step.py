@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from grid_index import ROUTES
 from noise_generation import in_order
 from overhead import BENCHMARKED, _Module, fit_quietly, loss_of, synthetic_data
 
@@ -48,7 +49,7 @@ WARM_UP = 6
 #: the two variants each comparison alternates, the library's own first
 COMPARISONS = {"split": ("split", "in order"), "grid": ("compiled", "torch")}
 #: ``exact_noise._COMPILED_GRID`` for each grid variant
-GRID_DTYPES = {"compiled": exact_noise._COMPILED_GRID, "torch": ()}
+GRID_DTYPES = ROUTES
 
 
 class _Alternate(L.Callback):

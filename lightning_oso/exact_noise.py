@@ -561,10 +561,7 @@ def _draw_compiled(
             reader.seek(k)
             _fill_compiled(kernel, target[k * _SEGMENT : (k + 1) * _SEGMENT], add, fields, reader, out.device)
 
-    helpers = [_pool(threads - 1).submit(draw_runs) for _ in range(threads - 1)] if threads > 1 else []
-    draw_runs()  # the calling thread draws runs too
-    for done in helpers:
-        done.result()  # re-raises a helper's error
+    _on_threads(threads, draw_runs)
     return out
 
 
@@ -622,6 +619,15 @@ def _fill_compiled(kernel, target, add: bool, fields: tuple, words: Words, devic
             if bernoulli(fraction, words).numpy()[0]:  # the noise's own bits, on the CPU
                 target[filled] = target[filled] + pending_value[0] if add else pending_value[0]
                 filled += 1
+
+
+def _on_threads(threads: int, work: Callable[[], None]) -> None:
+    """Runs ``work`` on ``threads`` threads at once, the calling thread one of them (the others from :func:`_pool`),
+    and returns when all are done, re-raising a helper's error. ``work`` takes its share itself (a shared counter)."""
+    helpers = [_pool(threads - 1).submit(work) for _ in range(threads - 1)] if threads > 1 else []
+    work()  # the calling thread works too
+    for done in helpers:
+        done.result()  # re-raises a helper's error
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
@@ -775,15 +781,13 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
     # 9,258 coordinates in 8 parts) take less time than handing work to a thread
     threads = min(torch.get_num_threads(), -(-rows * sum(sizes) // _GRID_TASK))
     claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
+    limit = float(MAX_GRID_INDEX)
 
     def run_tasks() -> None:
         while (k := next(claims)) < len(tasks):
-            kernel.grid_index_into(*tasks[k], float(MAX_GRID_INDEX))
+            kernel.grid_index_into(*tasks[k], limit)
 
-    helpers = [_pool(threads - 1).submit(run_tasks) for _ in range(threads - 1)] if threads > 1 else []
-    run_tasks()  # the calling thread takes tasks too
-    for done in helpers:
-        done.result()  # re-raises a helper's error
+    _on_threads(threads, run_tasks)
     return index
 
 

@@ -476,7 +476,7 @@ def add_gaussian_noise(sums: Sequence[Tensor], stds: Tensor, generator: Generato
     rows = sums[0].shape[0]
     sizes = [math.prod(s.shape[1:]) for s in sums]
     # one float64 tensor of all the rows, each part's grid indices written into its columns, released in place
-    noisy = exact_noise.release_rows_on_grid(sums, stds.to(sums[0].device).reshape(rows, 1), words_of(generator))
+    noisy = exact_noise.release_rows_on_grid(sums, stds.reshape(rows, 1), words_of(generator))  # on the sums' device
     return [part.reshape(s.shape) for part, s in zip(noisy.split(sizes, dim=1), sums)]
 
 
