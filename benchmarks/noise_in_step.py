@@ -12,15 +12,24 @@ With ``--compare grid``, the release's grid indices instead (``exact_noise.grid_
 - ``torch``: a float64 copy of the sums and torch's division, rounding and clamp over it (the accelerators' route),
   the same values bit for bit.
 
+With ``--compare products``, OSO's float64 inner products in the update (``step.products_in_float64``: the
+direction query's projection with the released gradient's norm, and the learning rate's sign):
+
+- ``compiled``: one compiled pass over the three vectors (the CPU's route);
+- ``torch``: a pass over the gradient for each product, the float32 vectors converted to float64 by chunks (the
+  accelerators' route), the same values up to float64 rounding.
+
 One process trains OSO (``OSODP``, fast path) through Lightning on a benchmark model (``benchmarks/overhead.py``),
 its steps alternating between the two in pairs (AABB...), so that each variant follows each equally often and machine
 noise hits both alike; the first steps are dropped. The split variants draw different words, not a different law, so
-the training is the same in distribution; the grid variants release the same values.
+the training is the same in distribution; the grid variants release the same values, the products' variants the
+same up to float64 rounding.
 
     python benchmarks/noise_in_step.py [--compare split] [--model mlp] [--batch-size 256] [--steps 200] [--threads 2]
 
 Prints a table (median and quartiles per variant, the ratio of medians) and writes
-``benchmarks/results/noise_in_step_<model>_threads<threads>.json`` (``grid_in_step_...`` for ``--compare grid``).
+``benchmarks/results/noise_in_step_<model>_threads<threads>.json`` (``grid_in_step_...`` for ``--compare grid``,
+``products_in_step_...`` for ``--compare products``).
 """
 
 from __future__ import annotations
@@ -47,14 +56,16 @@ from lightning_oso import OSODP, exact_noise, step
 
 WARM_UP = 6
 #: the two variants each comparison alternates, the library's own first
-COMPARISONS = {"split": ("split", "in order"), "grid": ("compiled", "torch")}
+COMPARISONS = {"split": ("split", "in order"), "grid": ("compiled", "torch"), "products": ("compiled", "torch")}
 #: ``exact_noise._COMPILED_GRID`` for each grid variant
 GRID_DTYPES = ROUTES
+#: ``step.COMPILED_PRODUCTS`` for each products variant
+PRODUCT_DTYPES = {"compiled": step.COMPILED_PRODUCTS, "torch": ()}
 
 
 class _Alternate(L.Callback):
     """Picks each step's variant (pairs: AABB...) and times the step from batch start to batch end; for the grid
-    comparison, sets the grid index's route for the step."""
+    and products comparisons, sets the route of the grid index or of OSO's products for the step."""
 
     def __init__(self, compare: str = "split") -> None:
         self.compare, self.variants = compare, COMPARISONS[compare]
@@ -66,6 +77,8 @@ class _Alternate(L.Callback):
         self.variant = self.variants[(self.step // 2) % 2]
         if self.compare == "grid":
             exact_noise._COMPILED_GRID = GRID_DTYPES[self.variant]
+        elif self.compare == "products":
+            step.COMPILED_PRODUCTS = PRODUCT_DTYPES[self.variant]
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
@@ -104,6 +117,7 @@ def main() -> None:
     finally:
         step.words_of = words_of
         exact_noise._COMPILED_GRID = GRID_DTYPES["compiled"]
+        step.COMPILED_PRODUCTS = PRODUCT_DTYPES["compiled"]
 
     rows = {}
     first, second = clock.variants
@@ -117,7 +131,7 @@ def main() -> None:
         print(f"{variant:10s} {r['steps']:6d} {r['median_ms']:10.2f} {r['q1_ms']:8.2f} {r['q3_ms']:8.2f}")
     ratio = rows[first]["median_ms"] / rows[second]["median_ms"]
     print(f"{first} / {second}: {ratio:.3f}")
-    name = "noise_in_step" if args.compare == "split" else "grid_in_step"
+    name = {"split": "noise_in_step", "grid": "grid_in_step", "products": "products_in_step"}[args.compare]
     out = Path(args.out or Path(__file__).parent / "results" / f"{name}_{args.model}_threads{args.threads}.json")
     config = {"compare": args.compare, "model": args.model, "batch_size": args.batch_size, "steps": args.steps,
               "threads": args.threads}  # fmt: skip

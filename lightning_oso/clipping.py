@@ -425,9 +425,9 @@ class OSOClipping(ClippingRule):
         if self.prev_gradient is None or self._prev_direction is None:  # t = 1: q~_0 = g~_0 = 0, sign(0) = 0
             lr_factor = torch.ones_like(self.clip)
         else:
-            self.direction_product = self._read_direction(gradient)
+            self.direction_product, gradient_product = self._read_products(gradient)
             clip_sign = torch.sign(self.direction_product).to(self.clip.dtype)
-            lr_sign = torch.sign(flat_dot(gradient, self.prev_gradient)).to(self.clip.dtype)
+            lr_sign = torch.sign(gradient_product).to(self.clip.dtype)
             self.clip = _kept_in_range(self.clip * torch.exp(self.clip_lr * clip_sign))  # Eq. 20
             lr_factor = torch.exp(self.lr_lr * lr_sign)
         # the previous step's vectors are let go before this step's are kept (the direction row copied out of the
@@ -437,13 +437,15 @@ class OSOClipping(ClippingRule):
         self._prev_direction = direction.keep()
         return lr_factor
 
-    def _read_direction(self, gradient: Sequence[Tensor]) -> Tensor:
-        """``g~_t . q~_{t-1}``: through the deferred query's one inner product, or (after a checkpoint or a resume)
-        with the materialised ``q~_{t-1}``."""
+    def _read_products(self, gradient: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``g~_t . q~_{t-1}`` and ``g~_t . g~_{t-1}``: through the deferred query's one inner product, both in one
+        pass over ``g~_t`` (on a CPU), or (after a checkpoint or a resume) with the materialised ``q~_{t-1}``."""
+        assert self.prev_gradient is not None and self._prev_direction is not None
         if isinstance(self._prev_direction, list):
-            return flat_dot(gradient, self._prev_direction)
-        assert self._prev_direction is not None
-        return self._prev_direction.inner(gradient)
+            return flat_dot(gradient, self._prev_direction), flat_dot(gradient, self.prev_gradient)
+        direction, product = self._prev_direction.inner_beside(gradient, self.prev_gradient)
+        assert product is not None
+        return direction, product
 
     @property
     def prev_direction(self) -> list[Tensor] | None:

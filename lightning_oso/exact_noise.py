@@ -42,9 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.profiler import record_function
+
+from lightning_oso import cpu_tasks
 
 #: Uniform bits per int64 word.
 WORD_BITS = 62
@@ -552,7 +552,7 @@ def _draw_compiled(
         return out
     runs = -(-count // _SEGMENT)  # a setting (the model's size): never data
     open_reader = split(runs)
-    threads = min(torch.get_num_threads(), runs)  # both at least 1
+    threads = cpu_tasks.threads_for(runs)
     claims = itertools.count()  # the next run not yet taken (next() on it is atomic under the GIL)
 
     def draw_runs() -> None:  # a thread's runs come in increasing order, so its reader only seeks forward
@@ -561,7 +561,7 @@ def _draw_compiled(
             reader.seek(k)
             _fill_compiled(kernel, target[k * _SEGMENT : (k + 1) * _SEGMENT], add, fields, reader, out.device)
 
-    _on_threads(threads, draw_runs)
+    cpu_tasks.on_threads(threads, draw_runs)
     return out
 
 
@@ -619,29 +619,6 @@ def _fill_compiled(kernel, target, add: bool, fields: tuple, words: Words, devic
             if bernoulli(fraction, words).numpy()[0]:  # the noise's own bits, on the CPU
                 target[filled] = target[filled] + pending_value[0] if add else pending_value[0]
                 filled += 1
-
-
-def _on_threads(threads: int, work: Callable[[], None]) -> None:
-    """Runs ``work`` on ``threads`` threads at once, the calling thread one of them (the others from :func:`_pool`),
-    and returns when all are done, re-raising a helper's error. ``work`` takes its share itself (a shared counter)."""
-    helpers = [_pool(threads - 1).submit(work) for _ in range(threads - 1)] if threads > 1 else []
-    work()  # the calling thread works too
-    for done in helpers:
-        done.result()  # re-raises a helper's error
-
-
-_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """The sampler's helper threads: at least ``threads`` of them, made once per process (a forked child makes its
-    own)."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
-        if _POOL is not None and _POOL[0] == os.getpid():
-            _POOL[2].shutdown(wait=False)  # too small: its idle threads end, the larger pool replaces it
-        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="lightning_oso-noise"))
-    return _POOL[2]
 
 
 def kernel_fields(table: ProposalTable, layout: Layout, bucket_bits: int) -> tuple:
@@ -769,7 +746,7 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
 
     # numpy views of the tensors' memory (no torch operation per parameter, no device read)
     steps = step.numpy().reshape(-1).tolist()
-    sources = [_as_numpy(p).reshape(rows, -1) for p in parts]
+    sources = [cpu_tasks.as_numpy(p).reshape(rows, -1) for p in parts]
     target = index.numpy()  # shares memory: the pass writes the tensor
     tasks = [
         (source[r, start : start + _GRID_TASK], target[r, offset + start : offset + min(start + _GRID_TASK, size)], s)
@@ -779,7 +756,7 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
     ]
     # a helper thread only for each further task's worth of coordinates: a small model's parts (the demo CNN's
     # 9,258 coordinates in 8 parts) take less time than handing work to a thread
-    threads = min(torch.get_num_threads(), -(-rows * sum(sizes) // _GRID_TASK))
+    threads = cpu_tasks.threads_for(-(-rows * sum(sizes) // _GRID_TASK))
     claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
     limit = float(MAX_GRID_INDEX)
 
@@ -787,15 +764,8 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
         while (k := next(claims)) < len(tasks):
             kernel.grid_index_into(*tasks[k], limit)
 
-    _on_threads(threads, run_tasks)
+    cpu_tasks.on_threads(threads, run_tasks)
     return index
-
-
-def _as_numpy(part: Tensor) -> np.ndarray:
-    """A CPU tensor's values as a C-contiguous numpy array, sharing its memory where it already is contiguous."""
-    if part.requires_grad:
-        part = part.detach()
-    return np.ascontiguousarray(part.numpy())
 
 
 #: The sums' dtypes :func:`grid_index_of` passes to its compiled pass on a CPU (numpy has no bfloat16).

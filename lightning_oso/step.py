@@ -36,16 +36,18 @@ sum, selected elementwise (``torch.where``, never a branch on the data), and the
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from lightning_oso import exact_noise
+from lightning_oso import cpu_tasks, exact_noise
 from lightning_oso.per_sample.parts import sum_dtype
 from lightning_oso.randomness import Generator, words_of
 
@@ -167,15 +169,27 @@ class DeferredQuery:
 
     def inner(self, vector: Sequence[Tensor]) -> Tensor:
         """``v . q~`` for a vector ``v`` (one tensor per parameter) independent of ``Z``, as a 0-dim float64 tensor."""
+        return self.inner_beside(vector, None)[0]
+
+    def inner_beside(self, vector: Sequence[Tensor], other: Sequence[Tensor] | None) -> tuple[Tensor, Tensor | None]:
+        """``v . q~`` as :meth:`inner`, and ``v . o`` in float64 for a vector ``o`` (``None`` for none), read in the
+        same pass over ``v`` where ``o`` is one buffer (on a CPU): OSO's update reads ``g~_t . q~_{t-1}`` and
+        ``g~_t . g~_{t-1}`` (Eqs. 20-21). ``v . o`` is of released values alone: it spends nothing."""
         self._spend("a second inner product")
         flat = laid_end_to_end(vector)  # the release's gradient: views of one buffer
         if flat is None:
             flat = torch.cat([v.reshape(-1).to(torch.float64) for v in vector])
         flat = flat.to(torch.float64)
-        norm = torch.dot(flat, flat).sqrt()
-        projection = dot_in_float64(flat, self._flat) / norm.clamp_min(torch.finfo(torch.float64).tiny)
+        beside = None if other is None else laid_end_to_end(other)
+        if beside is not None and beside.shape != flat.shape:
+            beside = None
+        product, square, other_product = products_in_float64(flat, self._flat, beside)
+        if other is not None and other_product is None:  # not one buffer (a restored g~_{t-1}): per parameter
+            other_product = flat_dot(vector, other)
+        norm = square.sqrt()
+        projection = product / norm.clamp_min(torch.finfo(torch.float64).tiny)
         released = exact_noise.on_grid(projection, exact_noise.grid_exponent(self._scalar_std)) + self._noise
-        return torch.where(norm > 0, norm * released, torch.zeros_like(norm)) / self._expected_batch_size
+        return torch.where(norm > 0, norm * released, torch.zeros_like(norm)) / self._expected_batch_size, other_product
 
     def materialise(self) -> list[Tensor]:
         """``q~ = (S + Z) / B``, each coordinate on the grid with a fresh integer draw (per parameter, new tensors)."""
@@ -544,9 +558,80 @@ def float64_chunk(device: torch.device) -> int:
 
 
 def dot_in_float64(a: Tensor, b: Tensor) -> Tensor:
-    """``a . b`` for a flat float64 ``a`` and a flat ``b`` of any float dtype, in float64 (``b`` converted exactly, a
-    chunk of :func:`float64_chunk` coordinates at a time), as a 0-dim tensor. (Converting into one reused buffer instead
-    made the release's own float64 copy, in the same step, slower on a CPU: 1.14 against 0.63 ms on the MLP.)"""
+    """``a . b`` for a flat float64 ``a`` and a flat ``b`` of any float dtype, in float64, as a 0-dim tensor: on a
+    CPU for a float32 or float64 ``b``, one compiled pass (:func:`products_in_float64`); else ``b`` converted exactly,
+    a chunk of :func:`float64_chunk` coordinates at a time. (Converting into one reused buffer instead made the
+    release's own float64 copy, in the same step, slower on a CPU: 1.14 against 0.63 ms on the MLP.)"""
+    if _takes_compiled_products(a, b):
+        return _compiled_products(a, b, b)[0]
+    return _dot_by_chunks(a, b)
+
+
+def products_in_float64(a: Tensor, b: Tensor, c: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(a . b, a . a, a . c)`` for a flat float64 ``a`` and flat ``b`` and ``c`` of any float dtype, in float64, as
+    0-dim tensors (``None`` for ``a . c`` without ``c``): OSO's update reads all three of the released gradient.
+
+    On a CPU, for float32 or float64 ``b`` and ``c``, one compiled pass (:mod:`lightning_oso.dot_kernel`) reads each
+    coordinate of the vectors once, in tasks of :data:`PRODUCT_TASK` coordinates on torch's intra-op threads, the
+    tasks' sums added in task order: the same value on any number of threads. Torch's route takes a pass over ``a``
+    for each product and converts a float32 vector to float64 by chunks (``benchmarks/float64_products.py``). Any
+    other dtype or device takes torch's route. Which route depends on the dtypes and the device alone."""
+    if _takes_compiled_products(a, b) and (c is None or _takes_compiled_products(a, c)):
+        dot, square, other = _compiled_products(a, b, b if c is None else c)
+        return dot, square, None if c is None else other
+    return _dot_by_chunks(a, b), torch.dot(a, a), None if c is None else dot_in_float64(a, c)
+
+
+def prepare(device: torch.device | str) -> None:
+    """Loads the compiled pass of the CPU's float64 products (:mod:`lightning_oso.dot_kernel`) before training, so that
+    OSO's first update does not compile or load it (a few seconds on the first use ever). Reads no data."""
+    if torch.device(device).type == "cpu" and COMPILED_PRODUCTS:
+        from lightning_oso import dot_kernel
+
+        dot_kernel.warm_up()
+
+
+#: Coordinates per task of the compiled float64 products on a CPU (1 MB of the float64 vector): threads take the
+#: tasks in turn.
+PRODUCT_TASK = 1 << 17
+
+#: The dtypes of ``b`` and ``c`` for which :func:`products_in_float64` takes the compiled pass on a CPU (numpy has no
+#: bfloat16); the tests empty it to check torch's route, which the accelerators take.
+COMPILED_PRODUCTS = (torch.float32, torch.float64)
+
+
+def _takes_compiled_products(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.device.type == "cpu"
+        and b.device.type == "cpu"
+        and a.dtype == torch.float64
+        and b.dtype in COMPILED_PRODUCTS
+        and a.dim() == b.dim() == 1
+        and a.numel() == b.numel()
+    )
+
+
+def _compiled_products(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`products_in_float64`'s compiled route: each task writes its row of ``sums``, the rows added in order."""
+    from lightning_oso import dot_kernel  # numba compiles (or loads) the pass on first use
+
+    left, right, third = (cpu_tasks.as_numpy(v) for v in (a, b, c))
+    starts = range(0, left.shape[0], PRODUCT_TASK)
+    sums = np.zeros((len(starts), 3), dtype=np.float64)
+    claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
+
+    def run_tasks() -> None:
+        while (k := next(claims)) < len(starts):
+            task = slice(starts[k], starts[k] + PRODUCT_TASK)
+            dot_kernel.products_into(left[task], right[task], third[task], sums[k])
+
+    cpu_tasks.on_threads(cpu_tasks.threads_for(len(starts)), run_tasks)
+    total = torch.from_numpy(sums.sum(axis=0))  # the tasks' rows, whichever thread wrote them: the same sum
+    return total[0], total[1], total[2]
+
+
+def _dot_by_chunks(a: Tensor, b: Tensor) -> Tensor:
+    """``a . b`` in float64 with ``b`` converted a chunk of :func:`float64_chunk` coordinates at a time."""
     chunk = float64_chunk(b.device)  # the device alone: never the values
     if b.dtype == torch.float64 or b.numel() <= chunk:
         return torch.dot(a, b.to(torch.float64))

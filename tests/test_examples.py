@@ -532,6 +532,35 @@ def test_grid_in_step_benchmark_alternates_the_grid_indexs_routes(tmp_path, monk
     assert result["config"]["compare"] == "grid" and result["compiled_over_torch"] > 0
 
 
+def test_products_in_step_benchmark_alternates_the_float64_products_routes(tmp_path, monkeypatch):
+    """``noise_in_step.py --compare products`` trains OSO with its steps alternating in pairs between the compiled
+    float64 products and torch's route (each step's update reads the direction query's projection through it, from
+    the second step on), puts the compiled route back when done, and writes each variant's steps and times."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import noise_in_step
+
+    from lightning_oso import step
+
+    compiled_by_step: list[bool] = []
+    products = step.products_in_float64
+
+    def watched(a, b, c=None):
+        compiled_by_step.append(bool(step.COMPILED_PRODUCTS))
+        return products(a, b, c)
+
+    monkeypatch.setattr(step, "products_in_float64", watched)
+    routes = step.COMPILED_PRODUCTS
+    out = tmp_path / "products_in_step.json"
+    argv = ["noise_in_step.py", "--compare", "products", "--batch-size", "8", "--steps", "10", "--threads", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    noise_in_step.main()
+    assert compiled_by_step == [True, False, False, True, True, False, False, True, True]  # steps 2-10
+    assert step.COMPILED_PRODUCTS == routes
+    result = json.loads(out.read_text())
+    assert {v: r["steps"] for v, r in result["variants"].items()} == {"compiled": 2, "torch": 2}
+    assert result["config"]["compare"] == "products" and result["compiled_over_torch"] > 0
+
+
 def test_grid_index_benchmark_times_both_routes_and_checks_they_agree(tmp_path, monkeypatch):
     """The grid index benchmark times the compiled pass and torch's passes on the same sums, finds them equal, puts
     the compiled route back, and writes both figures; a route that disagreed would stop it."""
@@ -553,6 +582,29 @@ def test_grid_index_benchmark_times_both_routes_and_checks_they_agree(tmp_path, 
     monkeypatch.setattr(exact_noise, "grid_index_of", lambda parts, step: next(calls))
     with pytest.raises(AssertionError, match="differs"):
         grid_index.time_routes([torch.ones(1, 3000)], torch.ones(1, 1, dtype=torch.float64), repeats=1)
+
+
+def test_float64_products_benchmark_times_both_routes_and_checks_they_agree(tmp_path, monkeypatch):
+    """The float64 products benchmark times the compiled pass and torch's route on the same vectors, finds them within
+    float64 rounding, puts the compiled route back, and writes both figures; a route that disagreed would stop it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import float64_products
+
+    from lightning_oso import step
+
+    routes = step.COMPILED_PRODUCTS
+    out = tmp_path / "float64_products"
+    argv = ["float64_products.py", "--shapes", "3000", "--repeats", "2", "--threads", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    float64_products.main()
+    assert step.COMPILED_PRODUCTS == routes
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["config"]["coordinates"] == 3000 and set(result["ms"]) == {"compiled", "torch"}
+    assert all(ms > 0 for ms in result["ms"].values()) and "compiled / torch" in out.with_suffix(".md").read_text()
+    calls = iter([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0 + 1e-9]] * 3)  # the routes' last results differ beyond rounding
+    monkeypatch.setattr(float64_products, "update_products", lambda *vectors: next(calls))
+    with pytest.raises(AssertionError, match="differ"):
+        float64_products.time_routes(10, repeats=1)
 
 
 def test_line_profile_attributes_the_operators_to_the_library_lines_that_call_them(tmp_path, monkeypatch):

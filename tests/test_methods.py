@@ -255,22 +255,22 @@ def test_oso_with_momentum_replays_from_sanitised_values():
     start = [p.detach().clone() for p in model.parameters()]
     dp = OSODP(target_epsilon=4.0, target_delta=1e-4, clip_lr=0.05, lr_lr=0.05)
     gradients, reads = [], []
-    original_update, original_inner = OSOClipping.update, DeferredQuery.inner
+    original_update, original_inner = OSOClipping.update, DeferredQuery.inner_beside
 
     def spy_update(rule, released):
         gradients.append([g.detach().clone() for g in released.gradients])
         return original_update(rule, released)
 
-    def spy_inner(query, vector):
+    def spy_inner(query, vector, other):
         # what the deferred query holds: the raw S_{t-1} (never released as such) and its one scalar draw
         reads.append(([s[0].clone() for s in query._sums], query._noise.item(), query._expected_batch_size))
-        return original_inner(query, vector)
+        return original_inner(query, vector, other)
 
-    OSOClipping.update, DeferredQuery.inner = spy_update, spy_inner
+    OSOClipping.update, DeferredQuery.inner_beside = spy_update, spy_inner
     try:
         make_trainer([dp], max_epochs=2).fit(model, toy_loader())
     finally:
-        OSOClipping.update, DeferredQuery.inner = original_update, original_inner
+        OSOClipping.update, DeferredQuery.inner_beside = original_update, original_inner
 
     def dot(a, b):
         return sum((x.double() * y.double()).sum() for x, y in zip(a, b)).item()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_oso import exact_noise, step
 from lightning_oso.clipping import FixedQuantileClipping, FixedThresholdClipping, OSOClipping
@@ -288,10 +289,11 @@ def test_oso_lets_its_previous_vectors_go_before_it_keeps_this_steps_direction(m
 
 
 def test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot(monkeypatch):
-    """The direction query's projection ``g~ . S``: a float64 vector against the float32 raw sums, each chunk of the
-    sums converted exactly, the chunks' dot products added in float64; the same inner product as one float64 dot,
-    within float64 rounding, whether the sums fit one chunk or not (a product of a float64 and a float32 value is
-    not exact, so only the summation order differs)."""
+    """The direction query's projection ``g~ . S`` on torch's route (the accelerators'): a float64 vector against
+    the float32 raw sums, each chunk of the sums converted exactly, the chunks' dot products added in float64; the
+    same inner product as one float64 dot, within float64 rounding, whether the sums fit one chunk or not (a product
+    of a float64 and a float32 value is not exact, so only the summation order differs)."""
+    monkeypatch.setattr(step, "COMPILED_PRODUCTS", ())
     monkeypatch.setattr(step, "FLOAT64_CHUNK", 7)
     generator = torch.Generator().manual_seed(5)
     a = torch.randn(50, dtype=torch.float64, generator=generator)
@@ -300,27 +302,98 @@ def test_dot_in_float64_converts_by_chunks_and_equals_the_float64_dot(monkeypatc
     assert float(step.dot_in_float64(a, b)) == pytest.approx(expected, rel=1e-13)
     assert float(step.dot_in_float64(a[:7], b[:7])) == pytest.approx(float(torch.dot(a[:7], b[:7].double())), rel=0)
     assert step.dot_in_float64(a, b.double()).dtype == torch.float64
+    c = torch.randn(50, generator=generator)
+    product, square, other = step.products_in_float64(a, b, c)
+    assert (float(product), float(square)) == (float(step.dot_in_float64(a, b)), float(torch.dot(a, a)))
+    assert other is not None and float(other) == float(step.dot_in_float64(a, c))
+    assert step.products_in_float64(a, b)[2] is None
 
 
-def test_dot_in_float64_takes_a_devices_own_chunks():
-    """On a CPU the conversion goes ``FLOAT64_CHUNK`` coordinates at a time (fresh pages otherwise); on any other
-    device ``ACCELERATOR_FLOAT64_CHUNK`` at a time, where each chunk is two kernel launches: a model of 2^20 float32
-    coordinates takes 8 dot products on a CPU and one on an accelerator. Counted on the meta device (shapes only), which
-    stands for an accelerator here, as every operator the product calls."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _CountDots(TorchDispatchMode):
+    """Counts torch's dot products called inside it."""
 
-    class CountDots(TorchDispatchMode):
-        dots = 0
+    dots = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.dots += func is torch.ops.aten.dot.default
-            return func(*args, **(kwargs or {}))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.dots += func is torch.ops.aten.dot.default
+        return func(*args, **(kwargs or {}))
 
+
+def _exact_products_case(n: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A float64 ``a`` of 19-bit values and float32 ``b`` and ``c`` of 10-bit integers, whose products, squares and sums
+    are all exact in float64 (in any order) but not in float32; with ``a . b``, ``a . a`` and ``a . c`` worked out in
+    rationals."""
+    from fractions import Fraction
+
+    a = torch.randint(-(2**18), 2**18, (n,), generator=generator).double() * 2.0**-12
+    b, c = (torch.randint(-(2**10), 2**10, (n,), generator=generator).float() for _ in range(2))
+    exact = [sum(Fraction(x) * Fraction(y) for x, y in zip(a.tolist(), v.tolist())) for v in (b, a, c)]
+    return a, b, c, torch.tensor([float(e) for e in exact], dtype=torch.float64)
+
+
+def test_the_compiled_float64_products_read_every_coordinate_once_in_float64(monkeypatch):
+    """On a CPU ``products_in_float64`` is one compiled pass (``dot_kernel``) in tasks of ``PRODUCT_TASK`` coordinates
+    on torch's threads. Against rational arithmetic on values whose products and sums are exact in float64 and not in
+    float32: tasks of 7 coordinates, so that 50 coordinates are 8 tasks, the last one short, on 1, 2 and 3 threads:
+    every coordinate read once, in float64, and the same bits on every thread count; float32 and float64 ``b`` and
+    ``c``, no ``c``, and a vector of one task. ``dot_in_float64`` gives the same product. NaN and inf propagate as on
+    torch's route. The pass makes no dot product of torch's."""
+    assert step.PRODUCT_TASK == 2**17
+    monkeypatch.setattr(step, "PRODUCT_TASK", 7)
+    generator = torch.Generator().manual_seed(8)
+    threads = torch.get_num_threads()
+    try:
+        for n in (50, 5):
+            a, b, c, exact = _exact_products_case(n, generator)
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                for second, third in ((b, c), (b.double(), c), (b, c.double()), (b.double(), c.double())):
+                    with _CountDots() as counted:
+                        products = step.products_in_float64(a, second, third)
+                    assert counted.dots == 0 and all(p is not None and p.dtype == torch.float64 for p in products)
+                    assert torch.equal(torch.stack(products), exact), (n, count, second.dtype, third.dtype)
+                    assert float(step.dot_in_float64(a, third)) == exact[2]
+                dot, square, none = step.products_in_float64(a, b)
+                assert (float(dot), float(square), none) == (exact[0], exact[1], None)
+    finally:
+        torch.set_num_threads(threads)
+    a, b, c, _ = _exact_products_case(50, generator)
+    b[9], a[30], c[3] = float("nan"), float("inf"), 0.0
+    compiled = step.products_in_float64(a, b, c)
+    monkeypatch.setattr(step, "COMPILED_PRODUCTS", ())
+    torch_route = step.products_in_float64(a, b, c)
+    assert torch.equal(torch.stack(compiled).isnan(), torch.tensor([True, False, False]))
+    assert torch.equal(torch.stack(torch_route).isnan(), torch.tensor([True, False, False]))
+    assert compiled[1] == torch_route[1] == float("inf") and compiled[2] == torch_route[2] != 0
+
+
+def test_prepare_loads_the_float64_products_for_the_updates_dtypes():
+    """``step.prepare`` (called by the DP callbacks when ``fit`` starts) loads the compiled products for float32 and
+    float64 second and third vectors (the direction query's sums and the kept ``g~_{t-1}``, float32, or float64 ones
+    restored from a checkpoint), so that no update compiles or loads another."""
+    from lightning_oso import dot_kernel
+
+    step.prepare("cpu")
+    assert len(dot_kernel.products_into.signatures) == 4
+    a = torch.ones(10, dtype=torch.float64)
+    for b in (torch.ones(10), a):
+        step.products_in_float64(a, b, torch.ones(10))
+        step.products_in_float64(a, b)
+        step.dot_in_float64(a, b)
+    assert len(dot_kernel.products_into.signatures) == 4
+
+
+def test_dot_in_float64_takes_a_devices_own_chunks(monkeypatch):
+    """On torch's route, on a CPU the conversion goes ``FLOAT64_CHUNK`` coordinates at a time (fresh pages otherwise);
+    on any other device ``ACCELERATOR_FLOAT64_CHUNK`` at a time, where each chunk is two kernel launches: a model of
+    2^20 float32 coordinates takes 8 dot products on a CPU and one on an accelerator. Counted on the meta device
+    (shapes only), which stands for an accelerator here, as every operator the product calls."""
+    monkeypatch.setattr(step, "COMPILED_PRODUCTS", ())
     assert step.float64_chunk(torch.device("cpu")) == step.FLOAT64_CHUNK == 2**17
     assert step.float64_chunk(torch.device("cuda")) == step.ACCELERATOR_FLOAT64_CHUNK == 2**24
     for device, dots in (("cpu", 8), ("meta", 1)):
         a, b = torch.zeros(2**20, dtype=torch.float64, device=device), torch.zeros(2**20, device=device)
-        with CountDots() as counted:
+        with _CountDots() as counted:
             result = step.dot_in_float64(a, b)
         assert (counted.dots, result.dtype, result.device.type) == (dots, torch.float64, device)
 

@@ -770,6 +770,24 @@ MUTANTS = (
         "the direction query's projection pairs every chunk of g~ with the first chunk of S: one record's share is "
         "read several times, beyond the scalar's sensitivity of 1",
     ),
+    Mutant(
+        "compiled_projection_reads_one_task_again",
+        "lightning_oso/step.py",
+        "task = slice(starts[k], starts[k] + PRODUCT_TASK)",
+        "task = slice(0, PRODUCT_TASK)",
+        ("tests/test_step.py::test_the_compiled_float64_products_read_every_coordinate_once_in_float64",),
+        "the CPU's compiled projection reads the first task's coordinates for every task: one record's share of S is "
+        "read several times, beyond the scalar's sensitivity of 1",
+    ),
+    Mutant(
+        "compiled_projection_in_float32",
+        "lightning_oso/dot_kernel.py",
+        "dot += value * np.float64(b[i])",
+        "dot += np.float32(value) * b[i]",
+        ("tests/test_step.py::test_the_compiled_float64_products_read_every_coordinate_once_in_float64",),
+        "the direction query's projection multiplied in float32 against float32 sums: its rounding, which depends on "
+        "every record, is no longer negligible beside the query's sensitivity",
+    ),
 )
 
 

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_oso import _compat, exact_noise
+from lightning_oso import _compat, exact_noise, step
 from lightning_oso.accounting import ACCOUNTANTS, PrivacyAccountant
 from lightning_oso.callbacks import _planner, _reporting
 from lightning_oso.callbacks._budget import BudgetStop, StopReason
@@ -260,6 +260,7 @@ class DPCallback(Callback, abc.ABC):
         self._training.attach_hooks()
         exact_noise.prepare(trainer.strategy.root_device)  # the sampler's compiled loop, before any step
         norm_bounds.prepare(trainer.strategy.root_device)  # and the squared norms' one
+        step.prepare(trainer.strategy.root_device)  # and OSO's float64 products'
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
