@@ -572,8 +572,8 @@ def products_in_float64(a: Tensor, b: Tensor, c: Tensor | None = None) -> tuple[
     0-dim tensors (``None`` for ``a . c`` without ``c``): OSO's update reads all three of the released gradient.
 
     On a CPU, for float32 or float64 ``b`` and ``c``, one compiled pass (:mod:`lightning_oso.dot_kernel`) reads each
-    coordinate of the vectors once, in tasks of :data:`PRODUCT_TASK` coordinates on torch's intra-op threads, the
-    tasks' sums added in task order: the same value on any number of threads. Torch's route takes a pass over ``a``
+    coordinate of the vectors once, in tasks of :data:`PRODUCT_TASK` coordinates on torch's intra-op threads, each
+    task's sums kept in its own row and the rows then added: the same value on any number of threads. Torch's route takes a pass over ``a``
     for each product and converts a float32 vector to float64 by chunks (``benchmarks/float64_products.py``). Any
     other dtype or device takes torch's route. Which route depends on the dtypes and the device alone."""
     if _takes_compiled_products(a, b) and (c is None or _takes_compiled_products(a, c)):
@@ -612,7 +612,7 @@ def _takes_compiled_products(a: Tensor, b: Tensor) -> bool:
 
 
 def _compiled_products(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`products_in_float64`'s compiled route: each task writes its row of ``sums``, the rows added in order."""
+    """:func:`products_in_float64`'s compiled route: each task writes its row of ``sums``, then the rows are added."""
     from lightning_oso import dot_kernel  # numba compiles (or loads) the pass on first use
 
     left, right, third = (cpu_tasks.as_numpy(v) for v in (a, b, c))

@@ -336,8 +336,8 @@ def test_the_compiled_float64_products_read_every_coordinate_once_in_float64(mon
     on torch's threads. Against rational arithmetic on values whose products and sums are exact in float64 and not in
     float32: tasks of 7 coordinates, so that 50 coordinates are 8 tasks, the last one short, on 1, 2 and 3 threads:
     every coordinate read once, in float64, and the same bits on every thread count; float32 and float64 ``b`` and
-    ``c``, no ``c``, and a vector of one task. ``dot_in_float64`` gives the same product. NaN and inf propagate as on
-    torch's route. The pass makes no dot product of torch's."""
+    ``c``, no ``c``, a vector of one task and empty vectors. ``dot_in_float64`` gives the same product. NaN and inf
+    propagate as on torch's route. The pass makes no dot product of torch's."""
     assert step.PRODUCT_TASK == 2**17
     monkeypatch.setattr(step, "PRODUCT_TASK", 7)
     generator = torch.Generator().manual_seed(8)
@@ -357,6 +357,8 @@ def test_the_compiled_float64_products_read_every_coordinate_once_in_float64(mon
                 assert (float(dot), float(square), none) == (exact[0], exact[1], None)
     finally:
         torch.set_num_threads(threads)
+    empty = torch.zeros(0, dtype=torch.float64)
+    assert [float(p) for p in step.products_in_float64(empty, empty.float(), empty.float())] == [0.0, 0.0, 0.0]
     a, b, c, _ = _exact_products_case(50, generator)
     b[9], a[30], c[3] = float("nan"), float("inf"), 0.0
     compiled = step.products_in_float64(a, b, c)
