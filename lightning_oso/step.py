@@ -573,9 +573,10 @@ def products_in_float64(a: Tensor, b: Tensor, c: Tensor | None = None) -> tuple[
 
     On a CPU, for float32 or float64 ``b`` and ``c``, one compiled pass (:mod:`lightning_oso.dot_kernel`) reads each
     coordinate of the vectors once, in tasks of :data:`PRODUCT_TASK` coordinates on torch's intra-op threads, each
-    task's sums kept in its own row and the rows then added: the same value on any number of threads. Torch's route takes a pass over ``a``
-    for each product and converts a float32 vector to float64 by chunks (``benchmarks/float64_products.py``). Any
-    other dtype or device takes torch's route. Which route depends on the dtypes and the device alone."""
+    task's sums kept in its own row and the rows then added: the same value on any number of threads. Torch's route
+    takes a pass over ``a`` for each product and converts a float32 vector to float64 by chunks
+    (``benchmarks/float64_products.py``). Any other dtype or device takes torch's route. Which route depends on the
+    dtypes and the device alone."""
     if _takes_compiled_products(a, b) and (c is None or _takes_compiled_products(a, c)):
         dot, square, other = _compiled_products(a, b, b if c is None else c)
         return dot, square, None if c is None else other
