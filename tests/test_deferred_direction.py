@@ -112,6 +112,36 @@ def test_a_deferred_query_is_read_once():
         query.inner(v)
 
 
+def test_a_read_beside_another_vector_is_the_read_alone_and_spends_the_query():
+    """OSO's update reads ``g~_t . q~_{t-1}`` and ``g~_t . g~_{t-1}`` together (``DeferredQuery.inner_beside``: one
+    pass over ``g~_t`` on a CPU). The query's release is the value ``inner`` releases (same seed; the products'
+    summation order may differ with the vectors' dtypes, so within float64 rounding); ``v . o`` is the float64 inner
+    product whether ``o`` is one buffer (the kept ``g~_{t-1}``) or separate tensors (one restored from a checkpoint),
+    on the compiled route and on torch's; and the query is spent."""
+    import lightning_oso.step as step_module
+    from lightning_oso.clipping import kept_gradient
+
+    samples = _samples()
+    released = _release(samples, 4)[1].gradients
+    other = kept_gradient(_release(samples, 5)[1].gradients)  # one float32 buffer, as OSO keeps g~_{t-1}
+    expected_other = sum(float((x.double() * y.double()).sum()) for x, y in zip(released, other))
+    alone = _release(samples, 0)[1].deferred[0].inner(released)
+    for compiled in (step_module.COMPILED_PRODUCTS, ()):
+        step_module.COMPILED_PRODUCTS, saved = compiled, step_module.COMPILED_PRODUCTS
+        try:
+            for beside in (other, [t.clone() for t in other]):  # laid end to end, or not
+                query = _release(samples, 0)[1].deferred[0]
+                direction, product = query.inner_beside(released, beside)
+                assert float(direction) == pytest.approx(float(alone), rel=1e-12) and product is not None
+                assert float(product) == pytest.approx(expected_other, rel=1e-12)
+                with pytest.raises(RuntimeError, match="already read"):
+                    query.inner(released)
+        finally:
+            step_module.COMPILED_PRODUCTS = saved
+    query = _release(samples, 0)[1].deferred[0]
+    assert query.inner_beside(released, None)[1] is None
+
+
 def _tensors(obj):
     """Every tensor in a (nested) checkpoint."""
     if isinstance(obj, torch.Tensor):
