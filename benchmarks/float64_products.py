@@ -19,18 +19,17 @@ inside training steps. Prints a table and writes ``<out>.json`` and ``<out>.md``
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from route_timing import alternate, arguments, write_report
+
 from lightning_oso import step
 
-WARMUP = 2
 ROUTES = {"compiled": step.COMPILED_PRODUCTS, "torch": ()}
 #: overhead.py's MLP, 784-512-512-10
 MLP_COORDINATES = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
@@ -47,63 +46,28 @@ def time_routes(coordinates: int, repeats: int) -> dict[str, float]:
     gradient = torch.randn(coordinates, dtype=torch.float64, generator=generator)
     row, kept = torch.randn(coordinates, generator=generator), torch.randn(coordinates, generator=generator)
     flush = torch.zeros(1 << 24)  # 64 MB, beyond the caches
-    times: dict[str, list[float]] = {route: [] for route in ROUTES}
-    results = {}
-    saved = step.COMPILED_PRODUCTS
-    try:
-        for r in range(repeats + WARMUP):
-            for route in list(ROUTES) if r % 2 else list(ROUTES)[::-1]:
-                step.COMPILED_PRODUCTS = ROUTES[route]
-                flush.add_(1.0)
-                start = time.perf_counter()
-                results[route] = update_products(gradient, row, kept)
-                if r >= WARMUP:
-                    times[route].append(time.perf_counter() - start)
-    finally:
-        step.COMPILED_PRODUCTS = saved
+    seconds, results = alternate(
+        step,
+        "COMPILED_PRODUCTS",
+        ROUTES,
+        lambda: update_products(gradient, row, kept),
+        repeats,
+        before=lambda: flush.add_(1.0),
+    )
     # either sum is within gamma64_n of the sum of its terms' magnitudes of the exact one, in any order
     magnitudes = [float((gradient * v.double()).abs().sum()) for v in (row, gradient, kept)]
     for compiled, torch_route, magnitude in zip(results["compiled"], results["torch"], magnitudes):
         if not abs(compiled - torch_route) <= 2 * coordinates * 2.0**-53 * magnitude:
             raise AssertionError(f"the compiled products differ from torch's: {compiled} against {torch_route}")
-    return {route: statistics.median(t) for route, t in times.items()}
+    return seconds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="mlp", help="mlp, or a number of coordinates")
-    parser.add_argument("--repeats", type=int, default=41)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/float64_products"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = arguments(__doc__.split("\n\n")[0], "benchmarks/results/float64_products")
     step.prepare("cpu")
     coordinates = MLP_COORDINATES if args.shapes == "mlp" else int(args.shapes)
-    ms = {route: 1e3 * s for route, s in time_routes(coordinates, args.repeats).items()}
-    ratio = ms["compiled"] / ms["torch"]
-    command = (
-        f"python benchmarks/float64_products.py --shapes {args.shapes} --repeats {args.repeats} --threads"
-        f" {args.threads} --out {args.out}"
-    )
-    lines = [
-        f"# An OSO update's three float64 products alone ({coordinates:,} coordinates, {args.threads} threads)",
-        "",
-        f"`{command}`",
-        "",
-        "| route | ms (median) | ns per coordinate |",
-        "| --- | ---: | ---: |",
-        *(f"| {route} | {ms[route]:.3f} | {1e6 * ms[route] / coordinates:.2f} |" for route in ROUTES),
-        "",
-        f"compiled / torch: {ratio:.3f}",
-    ]
-    print("\n".join(lines))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {"shapes": args.shapes, "coordinates": coordinates, "repeats": args.repeats, "threads": args.threads,
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__}  # fmt: skip
-    result = {"config": config, "ms": ms, "compiled_over_torch": ratio}
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}.json and .md")
+    title = "An OSO update's three float64 products alone"
+    write_report("float64_products.py", title, args, coordinates, time_routes(coordinates, args.repeats))
 
 
 if __name__ == "__main__":

@@ -561,6 +561,13 @@ def test_products_in_step_benchmark_alternates_the_float64_products_routes(tmp_p
     assert result["config"]["compare"] == "products" and result["compiled_over_torch"] > 0
 
 
+def _check_route_report(out: Path, coordinates: int) -> None:
+    """A route benchmark's report (``benchmarks/route_timing.write_report``): both routes timed, the table written."""
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["config"]["coordinates"] == coordinates and set(result["ms"]) == {"compiled", "torch"}
+    assert all(ms > 0 for ms in result["ms"].values()) and "compiled / torch" in out.with_suffix(".md").read_text()
+
+
 def test_grid_index_benchmark_times_both_routes_and_checks_they_agree(tmp_path, monkeypatch):
     """The grid index benchmark times the compiled pass and torch's passes on the same sums, finds them equal, puts
     the compiled route back, and writes both figures; a route that disagreed would stop it."""
@@ -575,9 +582,7 @@ def test_grid_index_benchmark_times_both_routes_and_checks_they_agree(tmp_path, 
     monkeypatch.setattr(sys, "argv", argv)
     grid_index.main()
     assert exact_noise._COMPILED_GRID == routes
-    result = json.loads(out.with_suffix(".json").read_text())
-    assert result["config"]["coordinates"] == 3000 and set(result["ms"]) == {"compiled", "torch"}
-    assert all(ms > 0 for ms in result["ms"].values()) and "compiled / torch" in out.with_suffix(".md").read_text()
+    _check_route_report(out, coordinates=3000)
     calls = iter([torch.zeros(1, 3000), torch.ones(1, 3000)] * 3)  # the two routes' last results differ
     monkeypatch.setattr(exact_noise, "grid_index_of", lambda parts, step: next(calls))
     with pytest.raises(AssertionError, match="differs"):
@@ -598,9 +603,7 @@ def test_float64_products_benchmark_times_both_routes_and_checks_they_agree(tmp_
     monkeypatch.setattr(sys, "argv", argv)
     float64_products.main()
     assert step.COMPILED_PRODUCTS == routes
-    result = json.loads(out.with_suffix(".json").read_text())
-    assert result["config"]["coordinates"] == 3000 and set(result["ms"]) == {"compiled", "torch"}
-    assert all(ms > 0 for ms in result["ms"].values()) and "compiled / torch" in out.with_suffix(".md").read_text()
+    _check_route_report(out, coordinates=3000)
     calls = iter([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0 + 1e-9]] * 3)  # the routes' last results differ beyond rounding
     monkeypatch.setattr(float64_products, "update_products", lambda *vectors: next(calls))
     with pytest.raises(AssertionError, match="differ"):
