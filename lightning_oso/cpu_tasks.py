@@ -9,6 +9,7 @@ writes, does not, so every result is the same on any number of threads.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,18 @@ def on_threads(threads: int, work: Callable[[], None]) -> None:
     work()  # the calling thread works too
     for done in helpers:
         done.result()  # re-raises a helper's error
+
+
+def run_tasks(tasks: int, task: Callable[[int], None], threads: int | None = None) -> None:
+    """Runs ``task(k)`` for ``k`` in ``range(tasks)``, each once, on ``threads`` threads (:func:`threads_for` the
+    tasks unless given), each thread taking the next task not yet taken."""
+    claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
+
+    def work() -> None:
+        while (k := next(claims)) < tasks:
+            task(k)
+
+    on_threads(threads_for(tasks) if threads is None else threads, work)
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)

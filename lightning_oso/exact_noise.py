@@ -757,14 +757,8 @@ def grid_index_of(parts: Sequence[Tensor], step: Tensor) -> Tensor:
     # a helper thread only for each further task's worth of coordinates: a small model's parts (the demo CNN's
     # 9,258 coordinates in 8 parts) take less time than handing work to a thread
     threads = cpu_tasks.threads_for(-(-rows * sum(sizes) // _GRID_TASK))
-    claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
     limit = float(MAX_GRID_INDEX)
-
-    def run_tasks() -> None:
-        while (k := next(claims)) < len(tasks):
-            kernel.grid_index_into(*tasks[k], limit)
-
-    cpu_tasks.on_threads(threads, run_tasks)
+    cpu_tasks.run_tasks(len(tasks), lambda k: kernel.grid_index_into(*tasks[k], limit), threads)
     return index
 
 

@@ -36,7 +36,6 @@ sum, selected elementwise (``torch.where``, never a branch on the data), and the
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -619,14 +618,12 @@ def _compiled_products(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor,
     left, right, third = (cpu_tasks.as_numpy(v) for v in (a, b, c))
     starts = range(0, left.shape[0], PRODUCT_TASK)
     sums = np.zeros((len(starts), 3), dtype=np.float64)
-    claims = itertools.count()  # the next task not yet taken (next() on it is atomic under the GIL)
 
-    def run_tasks() -> None:
-        while (k := next(claims)) < len(starts):
-            task = slice(starts[k], starts[k] + PRODUCT_TASK)
-            dot_kernel.products_into(left[task], right[task], third[task], sums[k])
+    def run_task(k: int) -> None:
+        task = slice(starts[k], starts[k] + PRODUCT_TASK)
+        dot_kernel.products_into(left[task], right[task], third[task], sums[k])
 
-    cpu_tasks.on_threads(cpu_tasks.threads_for(len(starts)), run_tasks)
+    cpu_tasks.run_tasks(len(starts), run_task)
     total = torch.from_numpy(sums.sum(axis=0))  # the tasks' rows, whichever thread wrote them: the same sum
     return total[0], total[1], total[2]
 
